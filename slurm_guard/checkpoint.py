@@ -1,0 +1,121 @@
+"""Checkpoints that are complete or absent, and never trusted without proof.
+
+Every rank writes its RNG state into a staging directory, rank 0 adds the model and optimizer
+state and, last of all, `meta.json` with a sha256 per file and the weight fingerprint the vote
+agreed on; then the directory is renamed into place. A checkpoint without meta.json, with a file
+whose hash differs, or whose loaded state does not reproduce the fingerprint, is never loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slurm_guard.records import atomic_write_json, fsync_dir
+from slurm_guard.rundir import CheckpointMeta, RunDir
+
+logger = logging.getLogger(__name__)
+
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank-{rank}.pt"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def staging_dir(run_dir: RunDir, step: int, restart_count: int) -> Path:
+    return run_dir.checkpoints_dir / f".staging-{step:08d}-r{restart_count}"
+
+
+def _save(obj: Any, path: Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_rank_files(stage: Path, rank: int, model_state: Any, optim_state: Any) -> None:
+    """Called on every rank; only rank 0 passes model and optimizer state."""
+    stage.mkdir(parents=True, exist_ok=True)
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    _save(rng, stage / rng_file(rank))
+    if model_state is not None:
+        _save(model_state, stage / MODEL_FILE)
+        _save(optim_state, stage / OPTIMIZER_FILE)
+
+
+def publish(
+    run_dir: RunDir,
+    stage: Path,
+    *,
+    step: int,
+    weight_fingerprint: str,
+    world_size: int,
+    restart_count: int,
+) -> Path:
+    """Rank 0, after every rank wrote its files: seal with meta.json and rename into place."""
+    files = {p.name: sha256_file(p) for p in sorted(stage.iterdir()) if p.is_file()}
+    meta = CheckpointMeta(
+        step=step,
+        weight_fingerprint=weight_fingerprint,
+        clean_vote=True,
+        files=files,
+        world_size=world_size,
+        restart_count=restart_count,
+        created=time.time(),
+    )
+    atomic_write_json(stage / "meta.json", meta.__dict__)
+    final = run_dir.checkpoint_path(step)
+    if final.exists():
+        # A checkpoint of the same step from an earlier incarnation: keep it, aside.
+        os.replace(final, final.with_name(f".replaced-{final.name}-{int(time.time() * 1e3)}"))
+    os.replace(stage, final)
+    fsync_dir(run_dir.checkpoints_dir)
+    return final
+
+
+def verify_files(run_dir: RunDir, meta: CheckpointMeta) -> str | None:
+    """None when every listed file is present with its recorded hash; else what is wrong."""
+    directory = run_dir.checkpoint_path(meta.step)
+    for required in (MODEL_FILE, OPTIMIZER_FILE):
+        if required not in meta.files:
+            return f"meta.json lists no {required}"
+    for name, expected in meta.files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256_file(path) != expected:
+            return f"{name} does not match its recorded sha256 (corrupt or partial)"
+    return None
+
+
+def load(run_dir: RunDir, meta: CheckpointMeta, rank: int) -> dict[str, Any]:
+    directory = run_dir.checkpoint_path(meta.step)
+    out: dict[str, Any] = {
+        "model": torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True),
+        "optimizer": torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
+        "rng": None,
+    }
+    rng_path = directory / rng_file(rank)
+    if rank < meta.world_size and rng_path.is_file():
+        out["rng"] = torch.load(rng_path, map_location="cpu", weights_only=True)
+    else:
+        logger.warning("checkpoint %s has no RNG state for rank %d", directory, rank)
+    return out

@@ -1,0 +1,80 @@
+"""What the guard checks and how often: validated once, before training starts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from slurm_guard.errors import GuardError
+
+if TYPE_CHECKING:
+    from slurm_guard.faults import Fault
+
+
+class ConfigError(GuardError, ValueError):
+    """A configuration value is out of range; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class GuardConfig:
+    """Guard settings.
+
+    Args:
+        replay_every: ring replay on every step with step % replay_every == 0. The cost is one
+            extra forward+backward per rank every `replay_every` steps; a persistent fault is
+            caught within that many steps.
+        vote_every: weight-fingerprint vote after the update of every step with
+            (step + 1) % vote_every == 0, and always before a checkpoint.
+        finite_check: NaN/Inf check of local and averaged gradients in the DDP comm hook.
+        seed: fingerprint seed; None draws one per run (kept in run.json across restarts).
+        faults: software faults to inject (testing and drills); SLURM_GUARD_INJECT adds more.
+        settle_buckets: run one discarded forward/backward before the first step so DDP's
+            gradient buckets have their final layout from the first real step on. Needed for
+            bit-exact resume; costs one extra forward/backward per process start.
+        on_numerical: what a reproducible NaN/Inf (a bad sample or an unstable model, not the
+            hardware) does: "stop" raises SilentDataCorruption with verdict "numerical" (the
+            controller drains nothing), "skip" skips that update and goes on.
+    """
+
+    replay_every: int = 10
+    vote_every: int = 10
+    finite_check: bool = True
+    seed: int | None = None
+    faults: tuple[Fault, ...] = field(default_factory=tuple)
+    settle_buckets: bool = True
+    on_numerical: str = "stop"
+
+    def __post_init__(self) -> None:
+        for name in ("replay_every", "vote_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
+                raise ConfigError(
+                    f"GuardConfig.{name}={value!r}: must be an integer from 1 to 1000000 "
+                    f"(1 checks every step, 10 is the default)"
+                )
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**62):
+            raise ConfigError(f"GuardConfig.seed={self.seed!r}: must be None or an int in [0, 2^62)")
+        if self.on_numerical not in ("stop", "skip"):
+            raise ConfigError(
+                f"GuardConfig.on_numerical={self.on_numerical!r}: must be 'stop' (raise, no "
+                "drain) or 'skip' (skip the update and go on)"
+            )
+        object.__setattr__(self, "faults", tuple(self.faults))
+
+    def is_replay_step(self, step: int) -> bool:
+        return step % self.replay_every == 0
+
+    def is_vote_step(self, step: int) -> bool:
+        return (step + 1) % self.vote_every == 0
+
+    def summary(self) -> dict[str, object]:
+        """The settings `slurm-guard status` shows as 'checks configured'."""
+        return {
+            "replay_every": self.replay_every,
+            "vote_every": self.vote_every,
+            "finite_check": self.finite_check,
+            "settle_buckets": self.settle_buckets,
+            "on_numerical": self.on_numerical,
+            "faults": [f.describe() for f in self.faults],
+        }

@@ -1,0 +1,228 @@
+"""Controller policy and the pure decision for one alarm.
+
+The decision is a function of the alarm, what Slurm says about the job and the nodes, and the
+policy; it never calls Slurm. Keeping it pure means every safety rule can be tested on its own,
+and the engine is the only code that changes the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from slurm_guard.records import Alarm, RecordError, read_json_file
+
+REASON_PREFIX = "slurm-guard:"
+"""Every drain reason we write starts with this; we only ever touch nodes whose reason does."""
+
+POLICY_FILE = "policy.json"
+AUTO = "auto"
+APPROVE = "approve"
+AMBIGUOUS_HOLD = "hold"
+AMBIGUOUS_DRAIN = "drain"
+
+# Job states in which the batch script may still be running: an alarm of the current run of such
+# a job is acted on only after the job ends (or by `recover`, which runs inside it).
+ACTIVE_JOB_STATES = frozenset(
+    {"RUNNING", "CONFIGURING", "SUSPENDED", "RESIZING", "SIGNALING", "STAGE_OUT"}
+)
+
+
+class PolicyError(ValueError):
+    """The policy file or a policy option is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the controller may do on its own.
+
+    Args:
+        mode: `auto` drains and requeues at once; `approve` records the decision and waits for
+            `slurm-guard review approve`.
+        ambiguous: `hold` requeue-holds the job of an ambiguous alarm (nothing drained) until an
+            admin approves; `drain` treats it like an SDC verdict.
+        max_drains: circuit breaker, automatic drains allowed per `window_s`. Past it, alarms wait
+            for approval: a fleet-wide cause (a bad driver roll-out) must not empty the cluster.
+        window_s: the circuit-breaker window in seconds.
+    """
+
+    mode: str = AUTO
+    ambiguous: str = AMBIGUOUS_HOLD
+    max_drains: int = 3
+    window_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in (AUTO, APPROVE):
+            raise PolicyError(f"policy mode {self.mode!r}: use {AUTO!r} or {APPROVE!r}")
+        if self.ambiguous not in (AMBIGUOUS_HOLD, AMBIGUOUS_DRAIN):
+            raise PolicyError(
+                f"ambiguous {self.ambiguous!r}: use {AMBIGUOUS_HOLD!r} or {AMBIGUOUS_DRAIN!r}"
+            )
+        if self.max_drains < 0 or self.window_s <= 0:
+            raise PolicyError("max_drains must be >= 0 and window_s > 0")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Any, source: str = "policy") -> Policy:
+        if not isinstance(obj, dict):
+            raise PolicyError(f"{source}: expected a JSON object")
+        unknown = set(obj) - {"mode", "ambiguous", "max_drains", "window_s"}
+        if unknown:
+            raise PolicyError(f"{source}: unknown keys {sorted(unknown)}")
+        try:
+            return cls(
+                mode=str(obj.get("mode", AUTO)),
+                ambiguous=str(obj.get("ambiguous", AMBIGUOUS_HOLD)),
+                max_drains=int(obj.get("max_drains", 3)),
+                window_s=float(obj.get("window_s", 3600.0)),
+            )
+        except (TypeError, ValueError) as exc:
+            raise PolicyError(f"{source}: {exc}") from None
+
+    @classmethod
+    def load(cls, state_dir: Path) -> Policy:
+        """The policy the epilog and the watcher share: `<state_dir>/policy.json` or defaults."""
+        path = state_dir / POLICY_FILE
+        if not path.exists():
+            return cls()
+        try:
+            return cls.from_json(read_json_file(path), str(path))
+        except RecordError as exc:
+            raise PolicyError(str(exc)) from None
+
+    def save(self, state_dir: Path) -> None:
+        from slurm_guard.records import atomic_write_json
+
+        atomic_write_json(state_dir / POLICY_FILE, self.to_json())
+
+
+class Outcome(str, Enum):
+    """What the controller decided for one alarm."""
+
+    ACT = "act"  # drain the suspects and requeue excluding them
+    HOLD = "hold"  # requeue-hold the job, drain nothing, wait for review
+    AWAIT_APPROVAL = "await_approval"  # do nothing until `review approve`
+    NO_ACTION = "no_action"  # valid alarm, nothing to do (numerical)
+    REJECTED = "rejected"  # failed a safety rule: never acted on
+    DEFER = "defer"  # cannot decide yet (job still running): retried later
+
+
+@dataclass(frozen=True)
+class JobFacts:
+    """What Slurm says about the alarm's job, reduced to what the safety rules need."""
+
+    exists: bool
+    state: str = ""
+    nodes: frozenset[str] = frozenset()
+    user_id: int = -1
+    restart_count: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    outcome: Outcome
+    reason: str
+    drain_nodes: tuple[str, ...] = ()
+    exclude_nodes: tuple[str, ...] = ()
+
+
+def foreign_reason(reason: str | None) -> bool:
+    """A node reason set by anything but slurm-guard: such a node is never touched."""
+    return bool(reason) and not str(reason).startswith(REASON_PREFIX)
+
+
+def drain_reason(alarm: Alarm) -> str:
+    """Readable in `sinfo -R`, and parseable back into the alarm it came from."""
+    return (
+        f"{REASON_PREFIX} job {alarm.job_id} step {alarm.step} check {alarm.check} "
+        f"alarm {alarm.alarm_id}"
+    )
+
+
+def check_safety(alarm: Alarm, job_id: str, job: JobFacts, file_uid: int) -> str | None:
+    """The safety rules every alarm must pass before anything acts on it; None means it passed."""
+    if alarm.job_id != job_id:
+        return f"alarm names job {alarm.job_id}, not job {job_id}"
+    if not job.exists:
+        return f"job {job_id} does not exist in Slurm"
+    if file_uid != job.user_id:
+        return (
+            f"alarm file is owned by uid {file_uid}, but job {job_id} belongs to uid "
+            f"{job.user_id}: only the job's own user may raise its alarms"
+        )
+    if alarm.verdict == "sdc" and not alarm.suspect_nodes:
+        return "sdc verdict without a suspect node"
+    outside = [n for n in alarm.suspect_nodes if n not in job.nodes]
+    if outside:
+        if not job.nodes:
+            return (
+                f"suspect node(s) {', '.join(outside)} cannot be checked: job {job_id} has no "
+                "allocation any more (it was requeued before the controller saw this alarm)"
+            )
+        return (
+            f"suspect node(s) {', '.join(outside)} not in job {job_id}'s allocation "
+            f"({', '.join(sorted(job.nodes))})"
+        )
+    return None
+
+
+def decide(
+    alarm: Alarm,
+    job_id: str,
+    job: JobFacts,
+    file_uid: int,
+    policy: Policy,
+    *,
+    drains_in_window: int,
+    in_job: bool = False,
+) -> Decision:
+    """Decide one alarm. `drains_in_window` is the circuit breaker's count of automatic drains."""
+    if (
+        job.exists
+        and not in_job
+        and job.state in ACTIVE_JOB_STATES
+        and alarm.restart_count >= job.restart_count
+    ):
+        return Decision(Outcome.DEFER, f"job {job_id} is still {job.state}; decided once it ends")
+    problem = check_safety(alarm, job_id, job, file_uid)
+    if problem is not None:
+        return Decision(Outcome.REJECTED, problem)
+    nodes = tuple(sorted(set(alarm.suspect_nodes)))
+    if alarm.verdict == "numerical":
+        return Decision(
+            Outcome.NO_ACTION,
+            "numerical verdict: the replay on another node reproduced the value, so the model "
+            "or the data produced it, not the hardware; nothing drained, job not requeued",
+        )
+    if alarm.verdict == "ambiguous" and policy.ambiguous == AMBIGUOUS_HOLD:
+        return Decision(
+            Outcome.HOLD,
+            "ambiguous verdict: no strict majority names a node; job held for review "
+            "(approve to drain the suspects and release it)",
+            exclude_nodes=nodes,
+        )
+    if policy.mode == APPROVE:
+        return Decision(
+            Outcome.AWAIT_APPROVAL,
+            "policy 'approve': waiting for `slurm-guard review approve`",
+            drain_nodes=nodes,
+            exclude_nodes=nodes,
+        )
+    if drains_in_window + len(nodes) > policy.max_drains:
+        return Decision(
+            Outcome.AWAIT_APPROVAL,
+            f"circuit breaker open: {drains_in_window} automatic drain(s) in the last "
+            f"{policy.window_s:g} s, limit {policy.max_drains}; nothing drained, approve to act",
+            drain_nodes=nodes,
+            exclude_nodes=nodes,
+        )
+    return Decision(
+        Outcome.ACT,
+        f"{alarm.verdict} verdict on {', '.join(nodes)}: drain and requeue excluding them",
+        drain_nodes=nodes,
+        exclude_nodes=nodes,
+    )

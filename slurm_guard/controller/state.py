@@ -1,0 +1,283 @@
+"""The controller's durable state: an append-only journal, pending jobs, and one lock.
+
+The state lives in an admin-owned directory (default /var/lib/slurm-guard), never in the run
+directory: a user can write anything into their run directory, so what the controller has done
+must be kept where they cannot rewrite it.
+
+Every cluster change is journaled twice: an `intent` line before the command and a `done`,
+`skipped` or `failed` line after it. A rerun reads the journal, skips what is done and re-checks
+(against Slurm) what has an intent but no result, so a crash halfway is finished by the next run
+and nothing is done twice. The epilog, the in-job recovery step and the watcher may run at the
+same moment; all of them take the same `flock` before reading the journal, so decisions and
+actions are serialised.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slurm_guard.records import RecordError, atomic_write_json, fsync_dir, read_json_file
+
+DEFAULT_STATE_DIR = Path("/var/lib/slurm-guard")
+JOURNAL = "journal.jsonl"
+LOCK = "lock"
+PENDING = "pending"
+LOCK_POLL_S = 0.05
+
+# Journal entry types.
+ALARM = "alarm"  # the decision for one alarm (outcome, reason, nodes)
+BAD_FILE = "bad_file"  # an alarm file that could not be read
+PLAN = "plan"  # an ordered list of actions for one job
+INTENT = "intent"
+DONE = "done"
+SKIPPED = "skipped"
+FAILED = "failed"
+APPROVAL = "approval"  # an admin approved an alarm
+ADMIN = "admin"  # an admin returned or retired a node
+RESULTS = (DONE, SKIPPED, FAILED)
+
+
+class StateError(RuntimeError):
+    """The state directory is missing, not writable, or locked for too long."""
+
+
+class LockTimeout(StateError):
+    """Another controller process held the lock for longer than we may wait."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One cluster change. `key` is unique for the lifetime of the state directory."""
+
+    key: str
+    op: str  # drain | requeue_hold | exclude | release | start
+    target: str  # node name or job id
+    args: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "op": self.op, "target": self.target, "args": list(self.args)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Action:
+        return cls(str(obj["key"]), str(obj["op"]), str(obj["target"]), tuple(obj["args"]))
+
+
+@dataclass
+class Plan:
+    """An ordered set of actions and how far it got."""
+
+    plan_id: str
+    job_id: str
+    run_dir: str
+    alarm_ids: tuple[str, ...]
+    auto: bool
+    actions: tuple[Action, ...]
+    created: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "plan_id": self.plan_id,
+            "job_id": self.job_id,
+            "run_dir": self.run_dir,
+            "alarm_ids": list(self.alarm_ids),
+            "auto": self.auto,
+            "actions": [a.to_json() for a in self.actions],
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Plan:
+        return cls(
+            plan_id=str(obj["plan_id"]),
+            job_id=str(obj["job_id"]),
+            run_dir=str(obj["run_dir"]),
+            alarm_ids=tuple(obj["alarm_ids"]),
+            auto=bool(obj["auto"]),
+            actions=tuple(Action.from_json(a) for a in obj["actions"]),
+            created=float(obj["created"]),
+        )
+
+
+class Journal:
+    """The in-memory view of the journal file, rebuilt from it on every locked read."""
+
+    def __init__(self, entries: list[dict[str, Any]]) -> None:
+        self.entries = entries
+        self.alarms: dict[str, dict[str, Any]] = {}
+        self.approvals: dict[str, dict[str, Any]] = {}
+        self.plans: dict[str, Plan] = {}
+        self.results: dict[str, dict[str, Any]] = {}
+        self.intents: set[str] = set()
+        self.bad_files: set[str] = set()
+        for e in entries:
+            kind = e.get("type")
+            if kind == ALARM:
+                self.alarms[str(e["alarm_id"])] = e
+            elif kind == APPROVAL:
+                self.approvals[str(e["alarm_id"])] = e
+            elif kind == PLAN:
+                plan = Plan.from_json(e["plan"])
+                self.plans[plan.plan_id] = plan
+            elif kind == INTENT:
+                self.intents.add(str(e["key"]))
+            elif kind in RESULTS:
+                self.results[str(e["key"])] = e
+            elif kind == BAD_FILE:
+                self.bad_files.add(str(e["fingerprint"]))
+
+    def unfinished_plans(self) -> list[Plan]:
+        return [p for p in self.plans.values() if any(a.key not in self.results for a in p.actions)]
+
+    def auto_drains_since(self, since: float) -> int:
+        """Automatic drains actually carried out since `since`: the circuit breaker's count."""
+        count = 0
+        for plan in self.plans.values():
+            if not plan.auto:
+                continue
+            for action in plan.actions:
+                result = self.results.get(action.key)
+                if (
+                    action.op == "drain"
+                    and result is not None
+                    and result["type"] == DONE
+                    and float(result["time"]) >= since
+                ):
+                    count += 1
+        return count
+
+    def for_job(self, job_id: str) -> list[dict[str, Any]]:
+        keys = {a.key for p in self.plans.values() if p.job_id == job_id for a in p.actions}
+        out = []
+        for e in self.entries:
+            if e.get("job_id") == job_id or e.get("key") in keys:
+                out.append(e)
+        return out
+
+
+class StateStore:
+    """The state directory: journal, pending jobs and the lock."""
+
+    def __init__(self, root: str | os.PathLike[str] = DEFAULT_STATE_DIR) -> None:
+        self.root = Path(root)
+
+    @property
+    def journal_path(self) -> Path:
+        return self.root / JOURNAL
+
+    @property
+    def pending_dir(self) -> Path:
+        return self.root / PENDING
+
+    def ensure(self) -> None:
+        try:
+            self.pending_dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        except OSError as exc:
+            raise StateError(
+                f"cannot create state directory {self.root} ({exc.strerror}); create it as the "
+                "Slurm user (SlurmUser) or pass --state-dir to a directory the controller owns"
+            ) from None
+        if not os.access(self.root, os.W_OK):
+            raise StateError(
+                f"state directory {self.root} is not writable by uid {os.getuid()}; "
+                "run as SlurmUser/root or pass --state-dir"
+            )
+
+    @contextmanager
+    def locked(self, timeout_s: float = 30.0) -> Iterator[None]:
+        """Hold the controller lock; raise LockTimeout if another process keeps it too long."""
+        self.ensure()
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o640)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                    if time.monotonic() >= deadline:
+                        raise LockTimeout(
+                            f"{self.root / LOCK} held by another slurm-guard process for "
+                            f"{timeout_s:g} s; the job stays pending and is retried"
+                        ) from None
+                    time.sleep(LOCK_POLL_S)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    def read(self) -> Journal:
+        """Every complete journal line; a torn last line (crash mid-append) is ignored."""
+        entries: list[dict[str, Any]] = []
+        try:
+            with open(self.journal_path, "rb") as f:
+                for raw in f:
+                    try:
+                        obj = json.loads(raw)
+                    except (UnicodeDecodeError, json.JSONDecodeError):
+                        continue
+                    if isinstance(obj, dict):
+                        entries.append(obj)
+        except FileNotFoundError:
+            pass
+        return Journal(entries)
+
+    def append(self, entry_type: str, **fields: Any) -> dict[str, Any]:
+        """Append one entry durably (single write on O_APPEND, then fsync) before going on."""
+        entry = {"type": entry_type, "time": time.time(), **fields}
+        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        try:
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return entry
+
+    # Pending jobs: to look at again (slurmctld down, job still running, lock busy).
+
+    def _pending_path(self, job_id: str) -> Path:
+        return self.pending_dir / f"{job_id}.json"
+
+    def add_pending(self, job_id: str, run_dir: Path, reason: str) -> None:
+        path = self._pending_path(job_id)
+        previous = self.pending().get(job_id, {})
+        atomic_write_json(
+            path,
+            {
+                "job_id": job_id,
+                "run_dir": str(run_dir),
+                "reason": reason,
+                "first_seen": previous.get("first_seen", time.time()),
+                "attempts": int(previous.get("attempts", 0)) + 1,
+                "updated": time.time(),
+            },
+        )
+
+    def clear_pending(self, job_id: str) -> None:
+        path = self._pending_path(job_id)
+        if path.exists():
+            path.unlink()
+            fsync_dir(self.pending_dir)
+
+    def pending(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        if not self.pending_dir.is_dir():
+            return out
+        for path in sorted(self.pending_dir.glob("*.json")):
+            try:
+                obj = read_json_file(path)
+            except RecordError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("job_id"), str):
+                out[obj["job_id"]] = obj
+        return out

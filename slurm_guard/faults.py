@@ -1,0 +1,198 @@
+"""Software fault injection: proof that the guard catches what it claims to.
+
+A fault is a kind, a target (one rank, or every rank on one node) and an onset step. A one-off
+fault corrupts only the target's own computation at the onset step; a persistent fault stands for
+broken hardware: from the onset on it corrupts everything the target computes, replays of other
+ranks' microbatches included.
+
+Set from the environment (`SLURM_GUARD_INJECT`, faults separated by ';'):
+
+    SLURM_GUARD_INJECT="kind=grad-scale,node=node2,step=12,persistent=1"
+    SLURM_GUARD_INJECT="kind=nan,rank=1,step=5;kind=weight-bitflip,rank=2,step=7,bit=22"
+
+or in Python: `GuardConfig(faults=(Fault("activation", rank=1, step=3),))`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from slurm_guard.errors import GuardError
+
+ENV_VAR = "SLURM_GUARD_INJECT"
+
+KINDS = {
+    "grad-scale": "multiply one gradient element by `factor` (backward)",
+    "grad-bitflip": "flip bit `bit` of one gradient element (backward)",
+    "nan": "set one gradient element to NaN (backward)",
+    "inf": "set one gradient element to +Inf (backward)",
+    "activation": "multiply one output element of the first layer by `factor` (forward)",
+    "weight-bitflip": "flip bit `bit` of one weight element after the update (memory)",
+}
+BACKWARD_KINDS = ("grad-scale", "grad-bitflip", "nan", "inf")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault. `rank` or `node` selects the target; `param` and `element` the value."""
+
+    kind: str
+    step: int
+    rank: int | None = None
+    node: str | None = None
+    persistent: bool = False
+    param: int = 0
+    element: int = 0
+    factor: float = 10.0
+    bit: int = 22
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GuardError(f"unknown fault kind {self.kind!r}; known kinds: {', '.join(KINDS)}")
+        if (self.rank is None) == (self.node is None):
+            raise GuardError(f"fault {self.kind!r}: give exactly one of rank=N or node=NAME")
+        if self.step < 0 or self.param < 0 or self.element < 0:
+            raise GuardError(f"fault {self.kind!r}: step, param and element must be >= 0")
+        if not 0 <= self.bit < 64:
+            raise GuardError(f"fault {self.kind!r}: bit must be in 0..63")
+
+    def targets(self, rank: int, node: str) -> bool:
+        return self.rank == rank if self.rank is not None else self.node == node
+
+    def describe(self) -> str:
+        where = f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
+        how = "persistent from" if self.persistent else "one-off at"
+        return f"{self.kind} on {where}, {how} step {self.step}"
+
+
+_INT_FIELDS = ("step", "rank", "param", "element", "bit")
+
+
+def parse_faults(text: str) -> tuple[Fault, ...]:
+    """Parse SLURM_GUARD_INJECT; errors name the bad part and show the expected format."""
+    faults = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        fields: dict[str, Any] = {}
+        for item in filter(None, (i.strip() for i in part.split(","))):
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if not sep:
+                raise GuardError(
+                    f"{ENV_VAR}: {item!r} is not key=value; expected e.g. "
+                    "'kind=grad-scale,rank=1,step=10,persistent=1'"
+                )
+            try:
+                if key in _INT_FIELDS:
+                    fields[key] = int(value)
+                elif key == "factor":
+                    fields[key] = float(value)
+                elif key == "persistent":
+                    fields[key] = value.strip().lower() in ("1", "true", "yes")
+                elif key in ("kind", "node"):
+                    fields[key] = value.strip()
+                else:
+                    raise GuardError(f"{ENV_VAR}: unknown key {key!r} in {part!r}")
+            except ValueError:
+                raise GuardError(f"{ENV_VAR}: {key}={value!r} is not a number") from None
+        if "kind" not in fields or "step" not in fields:
+            raise GuardError(f"{ENV_VAR}: {part!r} needs at least kind=... and step=...")
+        faults.append(Fault(**fields))
+    return tuple(faults)
+
+
+def faults_from_env(environ: dict[str, str] | None = None) -> tuple[Fault, ...]:
+    env = os.environ if environ is None else environ
+    return parse_faults(env.get(ENV_VAR, ""))
+
+
+def _flip_bit(t: torch.Tensor, element: int, bit: int) -> None:
+    """Flip one bit of one element in place, whatever the float width."""
+    flat = t.view(-1)
+    int_type = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    bits = flat[element : element + 1].view(int_type)
+    bits ^= torch.tensor(1, dtype=int_type, device=t.device) << min(bit, 8 * t.element_size() - 1)
+
+
+class FaultInjector:
+    """Applies this rank's faults through hooks on the real model, so replays see them too."""
+
+    def __init__(self, faults: tuple[Fault, ...], rank: int, node: str, module: nn.Module) -> None:
+        self.faults = tuple(f for f in faults if f.targets(rank, node))
+        self.step = -1
+        self.replaying = False
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        params = [p for p in module.parameters() if p.requires_grad]
+        for fault in self.faults:
+            if fault.kind in BACKWARD_KINDS:
+                param = params[fault.param % len(params)]
+                self._handles.append(param.register_hook(self._grad_hook(fault)))
+            elif fault.kind == "activation":
+                first = next(m for m in module.modules() if any(m.parameters(recurse=False)))
+                self._handles.append(first.register_forward_hook(self._forward_hook(fault)))
+        self._weight_faults = [
+            (f, params[f.param % len(params)]) for f in self.faults if f.kind == "weight-bitflip"
+        ]
+
+    def active(self, fault: Fault) -> bool:
+        """A one-off fault hits the target's own step once; a persistent one everything after."""
+        if fault.persistent:
+            return self.step >= fault.step
+        return self.step == fault.step and not self.replaying
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
+
+    def _grad_hook(self, fault: Fault) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            if not self.active(fault):
+                return None
+            grad = grad.clone()
+            flat = grad.view(-1)
+            i = fault.element % flat.numel()
+            if fault.kind == "grad-scale":
+                flat[i] = flat[i] * fault.factor
+            elif fault.kind == "grad-bitflip":
+                _flip_bit(grad, i, fault.bit)
+            elif fault.kind == "nan":
+                flat[i] = float("nan")
+            else:
+                flat[i] = float("inf")
+            return grad
+
+        return hook
+
+    def _forward_hook(self, fault: Fault) -> Any:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> Any:
+            if not self.active(fault) or not isinstance(output, torch.Tensor):
+                return None
+            output = output.clone()
+            flat = output.view(-1)
+            i = fault.element % flat.numel()
+            flat[i] = flat[i] * fault.factor + fault.factor
+            return output
+
+        return hook
+
+    def after_update(self) -> None:
+        """Memory faults: a one-off flip once, a stuck bit after every update from the onset."""
+        with torch.no_grad():
+            for fault, param in self._weight_faults:
+                if self.active(fault):
+                    _flip_bit(param.data, fault.element % param.numel(), fault.bit)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

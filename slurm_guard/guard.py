@@ -1,0 +1,465 @@
+"""The Guard: a DDP training step with silent-data-corruption checks around it.
+
+One `guard.step(batch)` is forward, backward, the checks, and the optimizer step only if every
+check passed. Checks are decided collectively (`verification.py`): every rank gathers the same few
+numbers and reaches the same verdict, so no rank hangs or continues while another stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from slurm_guard import checkpoint as ckpt
+from slurm_guard.config import GuardConfig
+from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
+from slurm_guard.faults import FaultInjector, faults_from_env
+from slurm_guard.fingerprint import Fingerprinter, as_hex, as_int
+from slurm_guard.hooks import HookState, guard_comm_hook
+from slurm_guard.records import (
+    Alarm,
+    LedgerEntry,
+    append_ledger,
+    atomic_write_json,
+    read_json_file,
+    read_ledger,
+    RecordError,
+)
+from slurm_guard.replay import LossFn, capture
+from slurm_guard.rundir import RunDir, choose_trusted_checkpoint
+from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
+from slurm_guard.verdicts import Finding
+from slurm_guard.verification import Verifier
+
+logger = logging.getLogger(__name__)
+
+RUN_SCHEMA = 1
+
+
+def _check_run_dir(path: Path) -> None:
+    if not path.exists():
+        raise GuardError(
+            f"run directory {path} does not exist; create it on a filesystem shared by all "
+            "nodes (not node-local disk) and pass its path"
+        )
+    if not path.is_dir():
+        raise GuardError(f"run directory {path} is not a directory")
+    probe = path / f".write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise GuardError(
+            f"run directory {path} is not writable ({exc.strerror}); alarms and checkpoints go "
+            "there: fix its permissions or choose another directory"
+        ) from None
+
+
+class Guard:
+    """Guarded DDP training. See the README for the five lines a training loop needs.
+
+    Args:
+        model: the DDP-wrapped model; the guard registers its communication hook on it.
+        optimizer: the optimizer over the model's parameters; the guard steps and zeroes it.
+        loss_fn: `loss_fn(model, batch) -> scalar tensor`, called with the DDP model for the
+            step and with the plain module for replays.
+        run_dir: a directory on a filesystem shared by every node and by the controller.
+        config: what to check and how often.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        run_dir: str | os.PathLike[str],
+        config: GuardConfig | None = None,
+    ) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise GuardError(
+                f"Guard needs a DistributedDataParallel model, got {type(model).__name__}; wrap "
+                "it first: model = torch.nn.parallel.DistributedDataParallel(model)"
+            )
+        if not dist.is_initialized():
+            raise GuardError("torch.distributed is not initialized; call init_process_group first")
+        if not callable(loss_fn):
+            raise GuardError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+        self.config = config if config is not None else GuardConfig()
+        self.run_dir = RunDir(run_dir)
+        _check_run_dir(self.run_dir.root)
+        self.ddp = model
+        self.module: nn.Module = model.module
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.group: dist.ProcessGroup | None = model.process_group
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        backend = str(dist.get_backend(self.group))
+        self.comm_device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+        self.job_id = os.environ.get("SLURM_JOB_ID")
+        self.restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        if not self.params:
+            raise GuardError("the model has no trainable parameters: there is nothing to guard")
+
+        if self.rank == 0:
+            self.run_dir.ensure()
+        me = local_rank_info(self.rank)
+        self.topology = Topology.build(gather_rank_infos(me, self.group, self.comm_device))
+        self.fingerprinter = Fingerprinter(self._agree_on_seed())
+        self.hook = HookState(
+            group=self.group,
+            world_size=self.world_size,
+            fingerprinter=self.fingerprinter,
+            param_index={id(p): i for i, p in enumerate(self.params)},
+        )
+        model.register_comm_hook(self.hook, guard_comm_hook)  # type: ignore[no-untyped-call]
+        faults = self.config.faults + faults_from_env()
+        self.injector = FaultInjector(faults, self.rank, me.node, self.module)
+        self.verifier = Verifier(self)
+        self.step_count = 0
+        self.last_verified_step: int | None = None
+        self._settled = not self.config.settle_buckets
+        self._last_vote: tuple[int, int] | None = None  # (step_count, fingerprint)
+        if self.rank == 0:
+            self._write_run_file()
+        self._barrier()
+
+    # ---------------------------------------------------------------- set-up helpers
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def _broadcast_ints(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
+        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                       group=self.group)
+        return [int(v) for v in t.tolist()]
+
+    def _all_ok(self, ok: bool) -> bool:
+        """Every rank learns whether every rank succeeded: failures never leave a rank waiting."""
+        t = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.comm_device)
+        dist.all_reduce(t, group=self.group)
+        return int(t.item()) == 0
+
+    def _agree_on_seed(self) -> int:
+        """The fingerprint seed: per run (not per job start), so checkpoints stay verifiable."""
+        seed = 0
+        if self.rank == 0:
+            seed = self.config.seed if self.config.seed is not None else secrets.randbits(62)
+            try:
+                seed = int(read_json_file(self.run_dir.run_file)["seed"])
+            except (RecordError, KeyError, TypeError, ValueError):
+                pass
+        return self._broadcast_ints([seed])[0]
+
+    def _write_run_file(self) -> None:
+        atomic_write_json(
+            self.run_dir.run_file,
+            {
+                "schema": RUN_SCHEMA,
+                "seed": self.fingerprinter.seed,
+                "job_id": self.job_id,
+                "restart_count": self.restart_count,
+                "world_size": self.world_size,
+                "ranks": [r.__dict__ for r in self.topology.ranks],
+                "replayer": list(self.topology.replayer),
+                "config": self.config.summary(),
+                "started": time.time(),
+            },
+        )
+
+    # ---------------------------------------------------------------- training
+
+    def _settle_buckets(self, batch: Any) -> None:
+        """One discarded forward/backward so DDP rebuilds its buckets before the first real step.
+
+        DDP re-lays out its buckets after the first backward, and gloo sums an element in an
+        order that depends on its position in the bucket; without this, a resumed run's first
+        step differs from the uninterrupted run's in the last bits.
+        """
+        rng = capture(None)
+        buffers = [b.detach().clone() for b in self.module.buffers()]
+        self.hook.active = False
+        try:
+            self.loss_fn(self.ddp, batch).backward()
+        finally:
+            self.hook.active = True
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.set_rng_state(rng.cpu_rng)
+            if rng.cuda_rng is not None:
+                torch.cuda.set_rng_state(rng.cuda_rng)
+            with torch.no_grad():
+                for buf, saved in zip(self.module.buffers(), buffers, strict=True):
+                    buf.copy_(saved)
+        self._settled = True
+
+    def step(self, batch: Any) -> float:
+        """Forward, backward, checks and, only if they pass, the optimizer step.
+
+        Raises:
+            SilentDataCorruption: on every rank, after the alarm record is written; the update
+                of this step is not applied (a vote alarm judges an update already applied).
+        """
+        step = self.step_count
+        if not self._settled:
+            self._settle_buckets(batch)
+        self.injector.step = step
+        verify = self.config.is_replay_step(step) and self.world_size > 1
+        captured = capture(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.hook.reset(fingerprint_local=verify)
+        loss = self.loss_fn(self.ddp, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise GuardError(
+                f"loss_fn must return a scalar tensor, got "
+                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+                "; reduce the loss (e.g. .mean()) inside loss_fn"
+            )
+        loss.backward()
+        finding, skipped = self.verifier.check_step(step, loss.detach(), captured, verify)
+        if finding is not None:
+            self._alarm(finding, step, update_applied=False)
+        if not skipped:
+            self.optimizer.step()
+            self.injector.after_update()
+            if self.config.is_vote_step(step):
+                self._vote(step)
+        self.step_count = step + 1
+        return float(loss.detach())
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Everything replicas must hold identically: parameters, buffers, optimizer state."""
+        out = [t.detach() for t in self.module.parameters()]
+        out += [t.detach() for t in self.module.buffers()]
+        state = self.optimizer.state_dict()["state"]
+        for key in sorted(state):
+            for name in sorted(state[key]):
+                value = state[key][name]
+                out.append(value if isinstance(value, torch.Tensor) else torch.tensor(value))
+        return out
+
+    def _vote(self, step: int) -> int:
+        """Weight-fingerprint vote on the state after `step`'s update."""
+        if self._last_vote is not None and self._last_vote[0] == self.step_count + 1:
+            return self._last_vote[1]
+        fingerprint, finding = self.verifier.vote(step)
+        if finding is not None:
+            self._alarm(finding, step, update_applied=True)
+        self._last_vote = (step + 1, fingerprint)
+        return fingerprint
+
+    def save_checkpoint(self) -> Path:
+        """Vote, then save atomically into run_dir/checkpoints/step-N (N = completed steps)."""
+        step = self.step_count
+        if step == 0:
+            raise GuardError("save_checkpoint() before the first step: nothing to save yet")
+        if self._last_vote is not None and self._last_vote[0] == step:
+            fingerprint = self._last_vote[1]
+        else:
+            fingerprint, finding = self.verifier.vote(step - 1)
+            if finding is not None:
+                self._alarm(finding, step - 1, update_applied=True)
+            self._last_vote = (step, fingerprint)
+        stage = ckpt.staging_dir(self.run_dir, step, self.restart_count)
+        ok = True
+        try:
+            ckpt.write_rank_files(
+                stage,
+                self.rank,
+                self.module.state_dict() if self.rank == 0 else None,
+                self.optimizer.state_dict() if self.rank == 0 else None,
+            )
+        except OSError:
+            logger.exception("rank %d could not write its checkpoint files", self.rank)
+            ok = False
+        if not self._all_ok(ok):
+            raise GuardError(f"checkpoint at step {step} failed on some rank; see its log")
+        path = self.run_dir.checkpoint_path(step)
+        if self.rank == 0:
+            try:
+                path = ckpt.publish(
+                    self.run_dir,
+                    stage,
+                    step=step,
+                    weight_fingerprint=f"{fingerprint:016x}",
+                    world_size=self.world_size,
+                    restart_count=self.restart_count,
+                )
+            except OSError:
+                logger.exception("could not publish checkpoint %s", path)
+                ok = False
+        if not self._all_ok(ok):
+            raise GuardError(f"checkpoint at step {step} could not be published; see rank 0's log")
+        return path
+
+    # ---------------------------------------------------------------- alarms and recovery
+
+    def _alarm(self, finding: Finding, step: int, *, update_applied: bool) -> None:
+        """Write the alarm (rank 0), make sure every rank knows it is written, raise everywhere."""
+        alarm = self._make_alarm(finding, step, update_applied)
+        ok = True
+        if self.rank == 0:
+            try:
+                path = self.run_dir.write_alarm(alarm)
+                append_ledger(
+                    self.run_dir.ledger,
+                    LedgerEntry(step, finding.check, False, {"alarm": alarm.alarm_id},
+                                self.restart_count),
+                )
+                logger.error("slurm-guard alarm %s written to %s: %s", alarm.alarm_id, path,
+                             alarm.message)
+            except OSError:
+                logger.exception("could not write alarm %s", alarm.alarm_id)
+                ok = False
+        if not self._all_ok(ok):
+            logger.error("alarm %s could not be recorded on the run directory", alarm.alarm_id)
+        raise SilentDataCorruption(alarm)
+
+    def _make_alarm(self, finding: Finding, step: int, update_applied: bool) -> Alarm:
+        suspects = finding.suspect_ranks
+        nodes = sorted({self.topology.node_of(r) for r in suspects})
+        hosts = sorted({self.topology.ranks[r].hostname for r in suspects})
+        trusted = self._trusted_for(self.last_verified_step)
+        verdict = finding.verdict
+        return Alarm(
+            alarm_id=f"job{self.job_id or 'local'}-r{self.restart_count}-step{step}-{finding.check}",
+            job_id=self.job_id,
+            restart_count=self.restart_count,
+            step=step,
+            check=finding.check,
+            verdict=verdict,
+            suspect_ranks=tuple(suspects),
+            suspect_nodes=tuple(nodes),
+            suspect_hosts=tuple(hosts),
+            last_verified_step=self.last_verified_step,
+            trusted_checkpoint=trusted,
+            update_applied=update_applied,
+            evidence=finding.evidence,
+            message=f"step {step}: {finding.check} check: {verdict}: {finding.message}",
+            world_size=self.world_size,
+        )
+
+    def _trusted_for(self, last_verified: int | None) -> str | None:
+        if last_verified is None:
+            return None
+        clean = [c for c in self.run_dir.checkpoints() if c.clean_vote and c.step <= last_verified]
+        best = max(clean, key=lambda c: c.step, default=None)
+        return None if best is None else self.run_dir.checkpoint_path(best.step).name
+
+    def resume(self) -> int:
+        """Load the trusted checkpoint; return the step to start from (0 on a fresh run).
+
+        After an alarm, the trusted checkpoint is the newest clean one at or before the alarm's
+        last passing replay; newer checkpoints are moved to quarantine/<alarm_id>/ and the alarm
+        is marked handled, so a later restart does not roll back again.
+        """
+        chosen, last_verified, unhandled = -1, -1, []
+        if self.rank == 0:
+            chosen, last_verified, unhandled = self._choose_resume_point()
+        chosen, last_verified = self._broadcast_ints([chosen, last_verified])
+        if chosen < 0:
+            self.step_count = 0
+            self.last_verified_step = None
+        else:
+            self._load(chosen)
+            self.step_count = chosen
+            self.last_verified_step = last_verified if last_verified >= 0 else None
+        if self.rank == 0:
+            for alarm_id in unhandled:
+                moved = self.run_dir.quarantine_after(max(chosen, 0), alarm_id) if chosen >= 0 \
+                    else self.run_dir.quarantine_after(-1, alarm_id)
+                self.run_dir.mark_handled(
+                    alarm_id,
+                    {
+                        "alarm_id": alarm_id,
+                        "resumed_from_step": max(chosen, 0),
+                        "quarantined": moved,
+                        "restart_count": self.restart_count,
+                        "time": time.time(),
+                    },
+                )
+        self._barrier()
+        return self.step_count
+
+    def _choose_resume_point(self) -> tuple[int, int, list[str]]:
+        alarms, errors = self.run_dir.alarms()
+        for err in errors:
+            logger.warning("ignoring unreadable alarm file: %s", err)
+        handled = self.run_dir.handled_ids()
+        pending = [a for a in alarms if a.alarm_id not in handled and a.verdict != "numerical"]
+        limiting = min(
+            pending,
+            key=lambda a: -1 if a.last_verified_step is None else a.last_verified_step,
+            default=None,
+        )
+        candidates = self.run_dir.checkpoints()
+        chosen = -1
+        while True:
+            meta = choose_trusted_checkpoint(candidates, limiting)
+            if meta is None:
+                break
+            problem = ckpt.verify_files(self.run_dir, meta)
+            if problem is None:
+                chosen = meta.step
+                break
+            logger.warning("skipping checkpoint at step %d: %s", meta.step, problem)
+            candidates = [c for c in candidates if c.step != meta.step]
+        passes = [
+            e.step
+            for e in read_ledger(self.run_dir.ledger)
+            if e.check == "replay" and e.passed and e.step <= chosen
+        ]
+        return chosen, max(passes, default=-1), [a.alarm_id for a in pending]
+
+    def _load(self, step: int) -> None:
+        meta = next(m for m in self.run_dir.checkpoints() if m.step == step)
+        state = ckpt.load(self.run_dir, meta, self.rank)
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if state["rng"] is not None:
+            torch.set_rng_state(state["rng"]["cpu"])
+            if "cuda" in state["rng"] and torch.cuda.is_available():
+                torch.cuda.set_rng_state(state["rng"]["cuda"])
+        fingerprint = as_hex(self.fingerprinter.tensors(self.state_tensors()))
+        if not self._all_ok(fingerprint == meta.weight_fingerprint):
+            raise GuardError(
+                f"checkpoint step-{step} loads but does not reproduce its weight fingerprint "
+                f"on every rank; move {self.run_dir.checkpoint_path(step)} aside and resume again"
+            )
+        self._last_vote = (step, as_int_hex(meta.weight_fingerprint))
+
+
+def as_int_hex(text: str) -> int:
+    return int(text, 16)
+
+
+@contextlib.contextmanager
+def exit_on_alarm() -> Iterator[None]:
+    """Turn an alarm into the guard's exit code, which the sbatch template and controller read."""
+    try:
+        yield
+    except SilentDataCorruption as exc:
+        logger.error("stopped by slurm-guard: %s", exc)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        sys.exit(EXIT_SDC)
+
+
+__all__ = ["Guard", "as_int", "exit_on_alarm"]

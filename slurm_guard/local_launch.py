@@ -1,0 +1,111 @@
+"""Run a function on N local processes as a real torch.distributed (gloo) job.
+
+Each process may pose as its own Slurm node (`SLURMD_NODENAME`), so the demo and the tests can
+run a 3- or 4-node job on one machine. Outcomes come back per rank: the function's return value,
+the alarm that stopped it, or the error that killed it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slurm_guard.errors import SilentDataCorruption
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    status: str  # "ok" | "alarm" | "error" | "lost"
+    value: Any = None  # return value, the Alarm's JSON, or a traceback
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(
+    rank: int,
+    world: int,
+    port: int,
+    env: dict[str, str],
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)  # bitwise-reproducible CPU results across processes
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    try:
+        outcome = RankOutcome(rank, "ok", fn(*args))
+    except SilentDataCorruption as exc:
+        outcome = RankOutcome(rank, "alarm", exc.alarm.to_json())
+    except BaseException:
+        outcome = RankOutcome(rank, "error", traceback.format_exc())
+    finally:
+        dist.destroy_process_group()
+    # Tensors go through the queue as bytes: torch's shared-memory handles would die with us.
+    buffer = io.BytesIO()
+    torch.save(outcome, buffer)
+    results.put(buffer.getvalue())
+
+
+def run_local(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    nodes: Sequence[str] | None = None,
+    extra_env: dict[str, str] | None = None,
+    timeout: float = 300.0,
+) -> list[RankOutcome]:
+    """Run `fn(*args)` on `world_size` processes; `nodes[r]` becomes rank r's SLURMD_NODENAME.
+
+    `fn` must be importable (a module-level function): processes are spawned, not forked, so no
+    thread or CUDA state leaks from the parent.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), **(extra_env or {})}
+        if nodes is not None:
+            env["SLURMD_NODENAME"] = nodes[rank]
+        p = ctx.Process(target=_worker, args=(rank, world_size, port, env, fn, args, results))
+        p.start()
+        procs.append(p)
+    outcomes: dict[int, RankOutcome] = {}
+    try:
+        while len(outcomes) < world_size:
+            try:
+                raw = results.get(timeout=timeout)
+            except queue.Empty:
+                break
+            out = torch.load(io.BytesIO(raw), weights_only=False)
+            outcomes[out.rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [outcomes.get(r, RankOutcome(r, "lost", None)) for r in range(world_size)]

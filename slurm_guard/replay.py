@@ -1,0 +1,187 @@
+"""Ship a microbatch and its RNG state to another rank, and recompute it there.
+
+The batch travels over the process group, so the guard makes no assumption about the user's data
+pipeline: whatever `loss_fn` received, the replayer receives bit for bit, with the RNG state the
+owner had just before its forward pass (dropout replays identically).
+
+The replay must not disturb training: it uses the plain module (not DDP, whose reducer expects one
+backward per forward), `torch.autograd.grad` (the real `.grad` fields stay untouched), and it
+restores buffers (BatchNorm running statistics) and this rank's own RNG state afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from slurm_guard.errors import GuardError
+
+Batch = Any
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+@dataclass
+class Captured:
+    """What an owner keeps of its step so that it can be replayed elsewhere."""
+
+    batch: Batch
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+
+
+def capture(batch: Batch) -> Captured:
+    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return Captured(batch=batch, cpu_rng=torch.get_rng_state(), cuda_rng=cuda_rng)
+
+
+def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return {"t": len(tensors) - 1}
+    if isinstance(obj, dict):
+        if not all(isinstance(k, str) for k in obj):
+            raise GuardError("batch dicts must have string keys so the batch can be replayed")
+        return {"d": {k: _flatten(v, tensors) for k, v in obj.items()}}
+    if isinstance(obj, (list, tuple)):
+        return {"l" if isinstance(obj, list) else "u": [_flatten(v, tensors) for v in obj]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return {"v": obj}
+    raise GuardError(
+        f"batch contains a {type(obj).__name__}; a batch must be tensors, numbers and strings "
+        "nested in dicts, lists and tuples, so that it can be sent to another rank for replay"
+    )
+
+
+def _unflatten(spec: Any, tensors: list[torch.Tensor]) -> Any:
+    if "t" in spec:
+        return tensors[spec["t"]]
+    if "d" in spec:
+        return {k: _unflatten(v, tensors) for k, v in spec["d"].items()}
+    if "l" in spec:
+        return [_unflatten(v, tensors) for v in spec["l"]]
+    if "u" in spec:
+        return tuple(_unflatten(v, tensors) for v in spec["u"])
+    return spec["v"]
+
+
+def pack(captured: Captured) -> torch.Tensor:
+    """One uint8 buffer: JSON header (structure, dtypes, shapes, devices) then the raw bytes."""
+    tensors: list[torch.Tensor] = []
+    spec = _flatten(captured.batch, tensors)
+    extra = [captured.cpu_rng] + ([captured.cuda_rng] if captured.cuda_rng is not None else [])
+    meta = [
+        {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "cuda": t.is_cuda}
+        for t in tensors + extra
+    ]
+    header = json.dumps({"spec": spec, "meta": meta, "n_batch": len(tensors)}).encode()
+    parts = [torch.tensor([len(header)], dtype=torch.int64).view(torch.uint8)]
+    parts.append(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    for t in tensors + extra:
+        parts.append(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8))
+    return torch.cat(parts)
+
+
+def unpack(buffer: torch.Tensor, device: torch.device) -> Captured:
+    buffer = buffer.cpu()
+    header_len = int(buffer[:8].view(torch.int64).item())
+    header = json.loads(bytes(buffer[8 : 8 + header_len].tolist()).decode())
+    offset = 8 + header_len
+    tensors: list[torch.Tensor] = []
+    for m in header["meta"]:
+        dtype = getattr(torch, m["dtype"])
+        count = 1
+        for d in m["shape"]:
+            count *= d
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        raw = buffer[offset : offset + nbytes].clone()
+        offset += nbytes
+        t = raw.view(dtype).reshape(m["shape"])
+        tensors.append(t.to(device) if m["cuda"] else t)
+    n = header["n_batch"]
+    return Captured(
+        batch=_unflatten(header["spec"], tensors[:n]),
+        cpu_rng=tensors[n],
+        cuda_rng=tensors[n + 1].cpu() if len(tensors) > n + 1 else None,
+    )
+
+
+def exchange(
+    pairs: Sequence[tuple[int, int]],
+    mine: Captured | None,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    comm_device: torch.device,
+) -> dict[int, Captured]:
+    """Send my captured step to every rank that replays me; receive from every owner I replay.
+
+    `pairs` are (owner, replayer), identical on all ranks. Two rounds of batched point-to-point
+    operations: sizes first, then the buffers. Returns {owner: captured} for my replays.
+    """
+    sends = [rep for own, rep in pairs if own == rank and rep != rank]
+    recvs = [own for own, rep in pairs if rep == rank and own != rank]
+    payload = pack(mine).to(comm_device) if sends and mine is not None else None
+
+    def run(ops: list[dist.P2POp]) -> None:
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    size = torch.tensor([payload.numel() if payload is not None else 0], device=comm_device)
+    sizes = {own: torch.zeros(1, dtype=torch.int64, device=comm_device) for own in recvs}
+    ops = [dist.P2POp(dist.isend, size, dst, group) for dst in sends]
+    ops += [dist.P2POp(dist.irecv, sizes[src], src, group) for src in recvs]
+    run(ops)
+    buffers = {
+        own: torch.empty(int(sizes[own].item()), dtype=torch.uint8, device=comm_device)
+        for own in recvs
+    }
+    ops = [dist.P2POp(dist.isend, payload, dst, group) for dst in sends if payload is not None]
+    ops += [dist.P2POp(dist.irecv, buffers[src], src, group) for src in recvs]
+    run(ops)
+    model_device = comm_device if comm_device.type == "cuda" else torch.device("cpu")
+    received = {own: unpack(buf, model_device) for own, buf in buffers.items()}
+    if mine is not None and any(own == rank and rep == rank for own, rep in pairs):
+        received[rank] = mine
+    return received
+
+
+@dataclass
+class ReplayOutput:
+    loss: torch.Tensor
+    grads: list[torch.Tensor]
+    nonfinite: bool
+
+
+def recompute(
+    module: nn.Module,
+    loss_fn: LossFn,
+    captured: Captured,
+    params: Sequence[nn.Parameter],
+) -> ReplayOutput:
+    """Forward and backward of someone else's microbatch, leaving this rank's state untouched."""
+    own_cpu_rng = torch.get_rng_state()
+    own_cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    saved_buffers = [b.detach().clone() for b in module.buffers()]
+    try:
+        torch.set_rng_state(captured.cpu_rng)
+        if captured.cuda_rng is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(captured.cuda_rng)
+        loss = loss_fn(module, captured.batch)
+        raw = torch.autograd.grad(loss, list(params), allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, raw, strict=True)]
+    finally:
+        torch.set_rng_state(own_cpu_rng)
+        if own_cuda_rng is not None:
+            torch.cuda.set_rng_state(own_cuda_rng)
+        with torch.no_grad():
+            for buf, saved in zip(module.buffers(), saved_buffers, strict=True):
+                buf.copy_(saved)
+    total = sum((g.sum(dtype=torch.float64) for g in grads), torch.zeros((), dtype=torch.float64))
+    nonfinite = not bool(torch.isfinite(total + loss.detach().double()).item())
+    return ReplayOutput(loss=loss.detach(), grads=grads, nonfinite=nonfinite)

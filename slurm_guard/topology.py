@@ -1,0 +1,108 @@
+"""Which rank runs where, and who replays whom.
+
+A rank's node is `SLURMD_NODENAME` (what Slurm drains) when set, else the host name. Replays go to
+a rank on another node, so that one broken node can never check its own work; the pairing is a
+permutation (each rank replays exactly one microbatch per verification step), built as a ring over
+nodes. Only when one node holds more than half of the ranks (a single node, above all) does the
+ring fall back to neighbouring ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from slurm_guard.records import RankInfo
+
+_NAME_BYTES = 256
+
+
+def local_rank_info(rank: int) -> RankInfo:
+    hostname = socket.gethostname()
+    return RankInfo(rank=rank, node=os.environ.get("SLURMD_NODENAME") or hostname, hostname=hostname)
+
+
+def _encode(text: str) -> torch.Tensor:
+    data = text.encode()[:_NAME_BYTES]
+    out = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+    out[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    return out
+
+
+def _decode(t: torch.Tensor) -> str:
+    return bytes(b for b in t.tolist() if b).decode(errors="replace")
+
+
+def gather_rank_infos(
+    me: RankInfo, group: dist.ProcessGroup | None, device: torch.device
+) -> list[RankInfo]:
+    """All ranks' node names through one tensor all-gather (no pickling, no numpy)."""
+    world = dist.get_world_size(group)
+    mine = torch.stack([_encode(me.node), _encode(me.hostname)]).to(device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [
+        RankInfo(rank=r, node=_decode(t[0].cpu()), hostname=_decode(t[1].cpu()))
+        for r, t in enumerate(out)
+    ]
+
+
+@dataclass(frozen=True)
+class Topology:
+    ranks: tuple[RankInfo, ...]
+    replayer: tuple[int, ...]  # replayer[owner] recomputes owner's microbatch
+
+    @classmethod
+    def build(cls, ranks: list[RankInfo]) -> Topology:
+        world = len(ranks)
+        node_order: list[str] = []
+        for info in ranks:
+            if info.node not in node_order:
+                node_order.append(info.node)
+        ordered = sorted(ranks, key=lambda i: (node_order.index(i.node), i.rank))
+        largest = max(sum(1 for i in ranks if i.node == n) for n in node_order)
+        # Shifting the node-sorted list by the largest node's size lands every rank on another
+        # node iff no node holds more than half of the ranks.
+        shift = largest if 2 * largest <= world else 1
+        replayer = [0] * world
+        for pos, info in enumerate(ordered):
+            replayer[info.rank] = ordered[(pos + shift) % world].rank if world > 1 else info.rank
+        return cls(ranks=tuple(sorted(ranks, key=lambda i: i.rank)), replayer=tuple(replayer))
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def nodes(self) -> list[str]:
+        seen: list[str] = []
+        for info in self.ranks:
+            if info.node not in seen:
+                seen.append(info.node)
+        return seen
+
+    def node_of(self, rank: int) -> str:
+        return self.ranks[rank].node
+
+    def owner_of(self, replayer: int) -> int:
+        return self.replayer.index(replayer)
+
+    def third_rank(self, owner: int, replayer: int) -> int | None:
+        """A rank to settle a single failed comparison, or None when none can be impartial.
+
+        It must sit on neither node involved: a node-wide fault would otherwise vote twice. On a
+        single node (ring over GPUs) any other rank will do.
+        """
+        involved = {self.node_of(owner), self.node_of(replayer)}
+        for info in self.ranks:
+            if info.node not in involved:
+                return info.rank
+        if len(self.nodes) == 1:
+            for info in self.ranks:
+                if info.rank not in (owner, replayer):
+                    return info.rank
+        return None

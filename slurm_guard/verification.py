@@ -1,0 +1,180 @@
+"""The collective side of the checks: replay rounds, the per-step verdict gather, the vote.
+
+Every function here is entered by every rank in the same order. Each round ends in one small
+all-gather of fixed-size rows (a few int64 per rank), from which every rank computes the same
+verdict with the pure functions of `verdicts.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from slurm_guard.fingerprint import as_int
+from slurm_guard.records import LedgerEntry, append_ledger
+from slurm_guard.replay import Captured, exchange, recompute
+from slurm_guard.verdicts import (
+    Finding,
+    ReplayResult,
+    judge_nonfinite,
+    judge_reduced_nonfinite,
+    judge_replays,
+    judge_vote,
+    settle_with_third,
+)
+
+if TYPE_CHECKING:
+    from slurm_guard.guard import Guard
+
+logger = logging.getLogger(__name__)
+
+# Row layout of the per-step gather.
+LOCAL_NONFINITE, REDUCED_NONFINITE, OWN_LOSS, OWN_GRAD, REPLAYED, REPLAY_LOSS, REPLAY_GRAD, \
+    REPLAY_NONFINITE = range(8)
+ROW = 8
+
+
+def loss_bits(loss: torch.Tensor) -> int:
+    """The exact bit pattern of the loss, widened to float64 (exact for every float type)."""
+    return int(loss.detach().double().reshape(1).view(torch.int64).item())
+
+
+class Verifier:
+    """Runs the checks for one Guard; holds no state of its own beyond a reference to it."""
+
+    def __init__(self, guard: Guard) -> None:
+        self.g = guard
+
+    def _gather(self, row: list[int]) -> list[list[int]]:
+        g = self.g
+        mine = torch.tensor(row, dtype=torch.int64, device=g.comm_device)
+        out = [torch.empty_like(mine) for _ in range(g.world_size)]
+        dist.all_gather(out, mine, group=g.group)
+        return [[int(v) for v in t.tolist()] for t in out]
+
+    def _ledger(self, step: int, check: str, passed: bool, detail: dict[str, object]) -> None:
+        if self.g.rank == 0:
+            try:
+                append_ledger(
+                    self.g.run_dir.ledger,
+                    LedgerEntry(step, check, passed, detail, self.g.restart_count),
+                )
+            except OSError:
+                logger.exception("could not append to the ledger")
+
+    def _replay(self, owner_capture: Captured) -> tuple[int, int, bool]:
+        """Recompute someone's microbatch here: (loss bits, gradient fingerprint, non-finite)."""
+        g = self.g
+        with g.injector.replay():
+            out = recompute(g.module, g.loss_fn, owner_capture, g.params)
+        fingerprint = as_int(g.fingerprinter.combine(g.fingerprinter.tensor(t) for t in out.grads))
+        return loss_bits(out.loss), fingerprint, out.nonfinite
+
+    def replay_round(
+        self, pairs: Sequence[tuple[int, int]], mine: Captured
+    ) -> dict[int, tuple[int, int, bool]]:
+        """An extra round (NaN triage, third-rank settling): {owner: replayer's result}."""
+        g = self.g
+        received = exchange(pairs, mine, g.rank, g.group, g.comm_device)
+        row = [-1, 0, 0, 0]
+        for owner, replayer in pairs:
+            if replayer == g.rank:
+                loss, grad, nonfinite = self._replay(received[owner])
+                row = [owner, loss, grad, int(nonfinite)]
+        results = {}
+        for r in self._gather(row):
+            if r[0] >= 0:
+                results[r[0]] = (r[1], r[2], bool(r[3]))
+        return results
+
+    def check_step(
+        self, step: int, loss: torch.Tensor, captured: Captured, verify: bool
+    ) -> tuple[Finding | None, bool]:
+        """All checks of one step, after backward and before the update.
+
+        Returns (finding, skip_update). A numerical finding with on_numerical="skip" comes back
+        as (None, True): the update is skipped and training goes on.
+        """
+        g = self.g
+        hook = g.hook
+        zero = torch.zeros((), dtype=torch.float64, device=loss.device)
+        local_sum = torch.stack(hook.local_sums).sum() if hook.local_sums else zero
+        reduced_sum = torch.stack(hook.reduced_sums).sum() if hook.reduced_sums else zero
+        local_bad = not bool(torch.isfinite(local_sum + loss.double()).item())
+        reduced_bad = not bool(torch.isfinite(reduced_sum).item())
+
+        row = [int(local_bad), int(reduced_bad), loss_bits(loss), 0, -1, 0, 0, 0]
+        if verify:
+            owner = g.topology.owner_of(g.rank)
+            pairs = [(o, g.topology.replayer[o]) for o in range(g.world_size)]
+            received = exchange(pairs, captured, g.rank, g.group, g.comm_device)
+            local = [hook.local_fingerprints.get(i) for i in range(len(g.params))]
+            row[OWN_GRAD] = as_int(
+                g.fingerprinter.combine(
+                    fp if fp is not None else g.fingerprinter.tensor(torch.zeros_like(p))
+                    for fp, p in zip(local, g.params, strict=True)
+                )
+            )
+            replay_loss, replay_grad, replay_bad = self._replay(received[owner])
+            row[REPLAYED:] = [owner, replay_loss, replay_grad, int(replay_bad)]
+        rows = self._gather(row)
+
+        if g.config.finite_check and any(r[LOCAL_NONFINITE] for r in rows):
+            flagged = [rank for rank, r in enumerate(rows) if r[LOCAL_NONFINITE]]
+            if verify:
+                reproduced = {
+                    o: bool(rows[g.topology.replayer[o]][REPLAY_NONFINITE]) for o in flagged
+                }
+            else:
+                extra = self.replay_round([(o, g.topology.replayer[o]) for o in flagged], captured)
+                reproduced = {o: extra[o][2] for o in flagged}
+            finding = judge_nonfinite(flagged, reproduced, "finite_local")
+            self._ledger(step, "finite_local", False, {"verdict": finding.verdict})
+            if finding.verdict == "numerical" and g.config.on_numerical == "skip":
+                logger.warning("step %d skipped: %s", step, finding.message)
+                return None, True
+            return finding, True
+        if g.config.finite_check:
+            reduced = judge_reduced_nonfinite([bool(r[REDUCED_NONFINITE]) for r in rows])
+            if reduced is not None:
+                return reduced, True
+        if not verify:
+            return None, False
+
+        results = [
+            ReplayResult(
+                owner=o,
+                replayer=g.topology.replayer[o],
+                owner_loss=rows[o][OWN_LOSS],
+                owner_grad=rows[o][OWN_GRAD],
+                replay_loss=rows[g.topology.replayer[o]][REPLAY_LOSS],
+                replay_grad=rows[g.topology.replayer[o]][REPLAY_GRAD],
+            )
+            for o in range(g.world_size)
+        ]
+        judgement = judge_replays(results, g.topology)
+        finding = judgement.finding
+        if judgement.settle is not None:
+            disputed = judgement.settle
+            third = g.topology.third_rank(disputed.owner, disputed.replayer)
+            assert third is not None
+            extra = self.replay_round([(disputed.owner, third)], captured)
+            third_loss, third_grad, _ = extra[disputed.owner]
+            finding = settle_with_third(disputed, third, third_loss, third_grad)
+        if finding is None:
+            g.last_verified_step = step
+            self._ledger(step, "replay", True, {"comparisons": len(results)})
+        return finding, finding is not None
+
+    def vote(self, step: int) -> tuple[int, Finding | None]:
+        """Fingerprint this replica's whole state and compare it with every other replica's."""
+        g = self.g
+        fingerprint = as_int(g.fingerprinter.tensors(g.state_tensors()))
+        rows = self._gather([fingerprint])
+        finding = judge_vote([r[0] for r in rows])
+        self._ledger(step, "vote", finding is None, {"fingerprint": f"{fingerprint:016x}"})
+        return fingerprint, finding
