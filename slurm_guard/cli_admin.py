@@ -454,6 +454,7 @@ def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_
     from slurm_guard.controller.intake import find_run_dir, run_dir_from_comment
     from slurm_guard.controller.views import job_comment
     from slurm_guard.errors import EXIT_SDC
+    from slurm_guard.slurm_parsers import expand_hostlist
 
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
@@ -477,7 +478,8 @@ def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_
         click.echo(f"job {job_id}: not a slurm-guard run ({how})")
     else:
         click.echo(f"job {job_id}: run dir {run_dir} (from {how}), exit {exit_code or '?'}")
-        reports.append(engine.process_job(job_id, run_dir))
+        allocation = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", "") or "")
+        reports.append(engine.process_job(job_id, run_dir, allocation=tuple(allocation)))
     reports += engine.retry_pending()
     _print_reports(reports, as_json=False)
     sys.stdout.flush()

@@ -134,7 +134,9 @@ class FaultInjector:
                 param = params[fault.param % len(params)]
                 self._handles.append(param.register_hook(self._grad_hook(fault)))
             elif fault.kind == "activation":
-                first = next(m for m in module.modules() if any(m.parameters(recurse=False)))
+                first = next(
+                    m for m in module.modules() if next(m.parameters(recurse=False), None) is not None
+                )
                 self._handles.append(first.register_forward_hook(self._forward_hook(fault)))
         self._weight_faults = [
             (f, params[f.param % len(params)]) for f in self.faults if f.kind == "weight-bitflip"

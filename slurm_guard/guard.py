@@ -130,8 +130,14 @@ class Guard:
             param_index={id(p): i for i, p in enumerate(self.params)},
         )
         model.register_comm_hook(self.hook, guard_comm_hook)  # type: ignore[no-untyped-call]
-        faults = self.config.faults + faults_from_env()
+        problem: GuardError | None = None
+        try:
+            faults = self.config.faults + faults_from_env()
+        except GuardError as exc:
+            problem, faults = exc, ()
         self.injector = FaultInjector(faults, self.rank, me.node, self.module)
+        if not self._all_ok(problem is None):
+            raise problem or GuardError("another rank rejected the fault injection settings")
         self.verifier = Verifier(self)
         self.step_count = 0
         self.last_verified_step: int | None = None

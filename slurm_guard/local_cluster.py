@@ -53,11 +53,14 @@ MIN_CRED_EXPIRE_S = 5
 #: How long start() waits for the whole cluster to come up (MariaDB init dominates).
 DEFAULT_START_TIMEOUT_S = 60.0
 #: How long stop() waits for SIGTERM before using SIGKILL.
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 5.0
+#: How long stop() waits for cancelled jobs to end before killing daemons anyway.
+JOB_DRAIN_TIMEOUT_S = 10.0
 #: Timeout for one client command (sinfo, scancel, sacctmgr) issued while managing the cluster.
 COMMAND_TIMEOUT_S = 15.0
-#: Unix socket paths longer than this fail with cryptic errors in munged/MariaDB/slurmd.
-MAX_SOCKET_PATH = 100
+#: Unix socket paths longer than this (sun_path is 108 bytes with the NUL) make slurmd fail
+#: to launch job steps with cryptic errors.
+MAX_SOCKET_PATH = 107
 STATE_FILE = "cluster.json"
 DB_NAME = "slurm_acct_db"
 DB_USER = "slurm"
@@ -339,9 +342,7 @@ class LocalCluster:
                 "AccountingStorageType=accounting_storage/none",
                 "JobAcctGatherType=jobacct_gather/none",
             ]
-        lines.append(
-            f"NodeName=DEFAULT CPUs={self.cpus_per_node} RealMemory=1000 State=UNKNOWN"
-        )
+        lines.append(f"NodeName=DEFAULT CPUs={self.cpus_per_node} RealMemory=1000 State=UNKNOWN")
         for name, port in zip(self.node_names, p.nodes, strict=True):
             lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 Port={port}")
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
@@ -474,7 +475,10 @@ class LocalCluster:
                 f"a cluster is already running in {self.root}; stop it first "
                 f"(python -m slurm_guard.local_cluster stop {self.root})"
             )
-        longest = self.root / "spool" / f"node{self.nodes}" / "node00_4294967295.4294967295"
+        # slurmd's per-step socket is the longest path: spool/nodeN/nodeN_<job>.<step>, where
+        # the batch step id is 4294967291. Allow for job ids up to 6 digits.
+        node = f"node{self.nodes}"
+        longest = self.root / "spool" / node / f"{node}_999999.4294967291"
         if len(str(longest)) > MAX_SOCKET_PATH:
             raise LocalClusterError(
                 f"cluster directory {self.root} is too long for Unix socket paths "
@@ -483,7 +487,11 @@ class LocalCluster:
         p = self.ports
         used = [
             port
-            for port in (p.slurmctld, *p.nodes, *((p.slurmdbd, p.mariadb) if self.accounting else ()))
+            for port in (
+                p.slurmctld,
+                *p.nodes,
+                *((p.slurmdbd, p.mariadb) if self.accounting else ()),
+            )
             if not _port_is_free(port)
         ]
         if used:
@@ -536,6 +544,9 @@ class LocalCluster:
                 f"--log-file={munge_log}",
                 f"--seed-file={r}/munge/munged.seed",
                 "--num-threads=4",
+                # pytest's tmp dirs are mode 700; munged refuses a socket below a directory
+                # that not everybody may traverse. Our clients run as the same user anyway.
+                "--force",
             ],
             "munged.out",
             "munged",
@@ -668,8 +679,7 @@ class LocalCluster:
             raise self._error(f"{what}: {shlex.join(argv)} timed out") from exc
         if check and result.returncode != 0:
             raise self._error(
-                f"{what}: {shlex.join(argv)} failed ({result.returncode}): "
-                f"{result.stderr.strip()}"
+                f"{what}: {shlex.join(argv)} failed ({result.returncode}): {result.stderr.strip()}"
             )
         return result
 
@@ -707,13 +717,28 @@ class LocalCluster:
                 *logs,
             )
 
+    def job_ids(self) -> list[str]:
+        """Ids of jobs slurmctld still tracks as pending/running/completing."""
+        result = self._run_client(["squeue", "--noheader", "--format=%i"], "squeue", check=False)
+        if result.returncode != 0:
+            return []
+        return result.stdout.split()
+
+    def _cancel_all_jobs(self, timeout: float) -> bool:
+        """scancel every job and poll until none is left; False if some outlived timeout."""
+        jobs = self.job_ids()
+        if not jobs:
+            return True
+        self._run_client(["scancel", "--full", *jobs], "scancel", check=False)
+        return _poll(lambda: not self.job_ids(), timeout)
+
     def reset(self, timeout: float = 30.0) -> None:
         """Cancel all jobs and resume every node, so the next test starts from idle nodes.
 
         A shared session cluster would otherwise leak drained nodes between tests.
         """
-        self._run_client(["scancel", "--full", "--user=root"], "scancel", check=False)
-        self._run_client(["scancel", "--full", f"--user={os.getuid()}"], "scancel", check=False)
+        if not self._cancel_all_jobs(timeout):
+            raise self._error(f"jobs {self.job_ids()} still there after scancel")
         for name, state in self.node_states().items():
             if state.rstrip("*~#!%$@^-") != "idle":
                 self._run_client(
@@ -792,9 +817,9 @@ class LocalCluster:
         stale state file with recycled PIDs cannot hurt anybody.
         """
         if self.is_running():
-            # Cancel first so slurmstepd ends the job's tasks; then the kill below only has
-            # to clean up daemons.
-            self._run_client(["scancel", "--full", "--user=root"], "scancel", check=False)
+            # Cancel and wait for the jobs to end, so slurmstepd kills the job's tasks and
+            # exits by itself: killed daemons leave slurmstepd blocked for 10+ s.
+            self._cancel_all_jobs(JOB_DRAIN_TIMEOUT_S)
         order = ["slurmctld", *[f"slurmd-{n}" for n in self.node_names], "slurmdbd", "mariadbd"]
         state_pids = self._state_pids()
         me = str(self.root)
@@ -873,7 +898,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m slurm_guard.local_cluster",
         description="Run a throw-away local Slurm cluster (daemons survive this command).",
-        epilog="Example: start /tmp/c1 --port-base 21000 && eval \"$(... env /tmp/c1)\"",
+        epilog='Example: start /tmp/c1 --port-base 21000 && eval "$(... env /tmp/c1)"',
     )
     sub = parser.add_subparsers(dest="command", required=True)
     start = sub.add_parser("start", help="start a cluster in DIR and wait until nodes are idle")

@@ -14,6 +14,7 @@ bad node costs correctness.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from typing import Any
 
 from slurm_guard.controller.intake import read_alarm_files
 from slurm_guard.controller.policy import (
+    ACTIVE_JOB_STATES,
     REASON_PREFIX,
     Decision,
     JobFacts,
@@ -60,6 +62,10 @@ MAX_REASON_LEN = 200
 
 class EngineError(RuntimeError):
     """An admin request the engine refuses; the message says what to do instead."""
+
+
+class RetryLater(Exception):
+    """An action cannot be done yet (the job is not pending yet); the plan resumes later."""
 
 
 @dataclass
@@ -124,20 +130,31 @@ class Engine:
 
     # ---------------------------------------------------------------- entry points
 
-    def process_job(self, job_id: str, run_dir: Path, *, in_job: bool = False) -> JobReport:
+    def process_job(
+        self,
+        job_id: str,
+        run_dir: Path,
+        *,
+        in_job: bool = False,
+        allocation: tuple[str, ...] = (),
+    ) -> JobReport:
         """Handle every undecided alarm of `job_id` in `run_dir` and finish unfinished plans.
 
-        Never raises for bad input or an unreachable slurmctld: the job is left pending in the
-        state dir and the report says why.
+        `allocation` is the job's node list as slurmctld handed it to the epilog
+        (SLURM_JOB_NODELIST): while EpilogSlurmctld runs, `scontrol show job` may already
+        show no nodes. Never raises for bad input or an unreachable slurmctld: the job is
+        left pending in the state dir and the report says why.
         """
         report = JobReport(job_id, str(run_dir))
         try:
             with self.store.locked(self.lock_timeout_s):
-                self._process_locked(job_id, run_dir, in_job, report)
+                self._process_locked(job_id, run_dir, in_job, allocation, report)
         except LockTimeout as exc:
             self._pend(report, run_dir, str(exc))
         except SlurmUnavailable as exc:
             self._pend(report, run_dir, f"slurmctld unreachable: {exc}")
+        except RetryLater as exc:
+            self._pend(report, run_dir, str(exc))
         return report
 
     def retry_pending(self) -> list[JobReport]:
@@ -193,7 +210,10 @@ class Engine:
                 auto=False,
             )
             self._record_plan(plan, report)
-            self._execute(plan, self.store.read(), report)
+            try:
+                self._execute(plan, self.store.read(), report)
+            except (SlurmUnavailable, RetryLater) as exc:
+                self._pend(report, Path(str(entry["run_dir"])), str(exc))
             return report
 
     def return_node(self, node: str, reason: str, admin: str) -> str:
@@ -253,7 +273,14 @@ class Engine:
 
     # ---------------------------------------------------------------- decisions
 
-    def _process_locked(self, job_id: str, run_dir: Path, in_job: bool, report: JobReport) -> None:
+    def _process_locked(
+        self,
+        job_id: str,
+        run_dir: Path,
+        in_job: bool,
+        allocation: tuple[str, ...],
+        report: JobReport,
+    ) -> None:
         journal = self.store.read()
         for plan in journal.unfinished_plans():
             if plan.job_id == job_id:
@@ -293,6 +320,8 @@ class Engine:
 
         info = self.client.job(job_id)
         facts = job_facts(info)
+        if facts.exists and not facts.nodes and allocation:
+            facts = dataclasses.replace(facts, nodes=frozenset(allocation))
         drains = journal.auto_drains_since(self.clock() - self.policy.window_s)
         act: list[tuple[str, Decision, str]] = []  # alarm id, decision, drain reason
         hold: list[str] = []
@@ -455,20 +484,40 @@ class Engine:
         if action.op == "exclude":
             if set(nodes) <= set(info.excluded_nodes):
                 return _Result(DONE, f"already excludes {','.join(nodes) or '-'}")
-            if info.state != "PENDING":
-                return _Result(FAILED, f"job is {info.state}; exclusion only changes while pending")
             union = tuple(sorted(set(info.excluded_nodes) | set(nodes)))
-            self.client.set_excluded_nodes(job_id, union)
+            try:
+                self.client.set_excluded_nodes(job_id, union)
+            except SlurmUnavailable:
+                raise
+            except SlurmCommandError as exc:
+                if info.state == "PENDING":
+                    raise
+                # Slurm changes the exclusion only of a pending job. After requeuehold of a
+                # running job (in-job recovery) the job is pending only once its batch script
+                # ends; the epilog or the watcher picks the plan up then.
+                raise RetryLater(
+                    f"job {job_id} is {info.state}; exclusion waits until it is pending ({exc})"
+                ) from None
             return _Result(DONE, f"excluded {','.join(union)}")
         if action.op == "release":
             if not set(nodes) <= set(info.excluded_nodes):
                 return _Result(FAILED, "exclusion not in place; job left held for review")
-            if not info.held:
-                return _Result(DONE, "not held")
-            self.client.release(job_id)
+            if info.state in ACTIVE_JOB_STATES:
+                return _Result(DONE, f"job already {info.state}")
+            # Not `if info.held`: inside EpilogSlurmctld the requeuehold is still in flight
+            # (job COMPLETING, hold not visible yet) and Slurm applies the release anyway.
+            try:
+                self.client.release(job_id)
+            except SlurmUnavailable:
+                raise
+            except SlurmCommandError as exc:
+                again = self.client.job(job_id)
+                if again is not None and not again.held and again.state == "PENDING":
+                    return _Result(DONE, "not held")
+                return _Result(FAILED, str(exc))
             return _Result(DONE, "released")
         if action.op == "start":
-            if info.state != "PENDING" or info.held:
+            if info.held or info.state in ACTIVE_JOB_STATES:
                 return _Result(SKIPPED, f"job is {info.state}{' held' if info.held else ''}")
             self.client.set_start_time(job_id, START_DELAY)
             return _Result(DONE, f"StartTime={START_DELAY}")

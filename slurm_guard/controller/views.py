@@ -22,9 +22,11 @@ _ALARM_IN_REASON = re.compile(r"\balarm (\S+)")
 
 
 def job_comment(info: JobInfo | None) -> str | None:
-    """The job's comment, where the Slurm client reports it (see docs/admin-guide.md)."""
-    value = getattr(info, "comment", None)
-    return value if isinstance(value, str) else None
+    """The job's `Comment=` as scontrol prints it (the run-dir link, see docs/admin-guide.md)."""
+    if info is None:
+        return None
+    value = info.fields.get("Comment")
+    return None if value in (None, "", "(null)") else value
 
 
 def resolve_target(
