@@ -8,6 +8,7 @@ numbers and reaches the same verdict, so no rank hangs or continues while anothe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -204,7 +205,7 @@ class Guard:
         buffers = [b.detach().clone() for b in self.module.buffers()]
         self.hook.active = False
         try:
-            self.loss_fn(self.ddp, batch).backward()
+            self._loss(batch).backward()
         finally:
             self.hook.active = True
             self.optimizer.zero_grad(set_to_none=True)
@@ -215,6 +216,16 @@ class Guard:
                 for buf, saved in zip(self.module.buffers(), buffers, strict=True):
                     buf.copy_(saved)
         self._settled = True
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        loss = self.loss_fn(self.ddp, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+            raise GuardError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}; "
+                "reduce the loss (e.g. .mean()) inside loss_fn"
+            )
+        return loss
 
     def step(self, batch: Any) -> float:
         """Forward, backward, checks and, only if they pass, the optimizer step.
@@ -231,13 +242,7 @@ class Guard:
         captured = capture(batch)
         self.optimizer.zero_grad(set_to_none=True)
         self.hook.reset(fingerprint_local=verify)
-        loss = self.loss_fn(self.ddp, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise GuardError(
-                f"loss_fn must return a scalar tensor, got "
-                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
-                "; reduce the loss (e.g. .mean()) inside loss_fn"
-            )
+        loss = self._loss(batch)
         loss.backward()
         finding, skipped = self.verifier.check_step(step, loss.detach(), captured, verify)
         if finding is not None:
@@ -318,7 +323,7 @@ class Guard:
     # ---------------------------------------------------------------- alarms and recovery
 
     def _alarm(self, finding: Finding, step: int, *, update_applied: bool) -> None:
-        """Write the alarm (rank 0), make sure every rank knows it is written, raise everywhere."""
+        """Rank 0 writes the alarm; then every rank raises the very same record."""
         alarm = self._make_alarm(finding, step, update_applied)
         ok = True
         if self.rank == 0:
@@ -326,17 +331,18 @@ class Guard:
                 path = self.run_dir.write_alarm(alarm)
                 append_ledger(
                     self.run_dir.ledger,
-                    LedgerEntry(step, finding.check, False, {"alarm": alarm.alarm_id},
-                                self.restart_count),
+                    LedgerEntry(
+                        step, finding.check, False, {"alarm": alarm.alarm_id}, self.restart_count
+                    ),
                 )
-                logger.error("slurm-guard alarm %s written to %s: %s", alarm.alarm_id, path,
-                             alarm.message)
+                logger.error("alarm %s written to %s: %s", alarm.alarm_id, path, alarm.message)
             except OSError:
                 logger.exception("could not write alarm %s", alarm.alarm_id)
                 ok = False
-        if not self._all_ok(ok):
+        written, created_us = self._broadcast_ints([int(ok), round(alarm.created * 1e6)])
+        if not written:
             logger.error("alarm %s could not be recorded on the run directory", alarm.alarm_id)
-        raise SilentDataCorruption(alarm)
+        raise SilentDataCorruption(dataclasses.replace(alarm, created=created_us / 1e6))
 
     def _make_alarm(self, finding: Finding, step: int, update_applied: bool) -> Alarm:
         suspects = finding.suspect_ranks
@@ -360,6 +366,7 @@ class Guard:
             evidence=finding.evidence,
             message=f"step {step}: {finding.check} check: {verdict}: {finding.message}",
             world_size=self.world_size,
+            created=round(time.time() * 1e6) / 1e6,
         )
 
     def _trusted_for(self, last_verified: int | None) -> str | None:

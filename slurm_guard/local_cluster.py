@@ -532,6 +532,7 @@ class LocalCluster:
         def left() -> float:
             return max(deadline - time.monotonic(), 1.0)
 
+        t0 = time.monotonic()
         r = self.root
         pids: dict[str, int] = {}
         munge_log = self.log_dir / "munged.log"
@@ -554,10 +555,12 @@ class LocalCluster:
         pids["munged"] = self._wait_pid_file(r / "run" / "munged.pid", "munged", munge_log, left())
         if not _poll(self.munge_socket.exists, left()):
             raise self._error("munged socket did not appear", munge_log)
+        logger.debug("munged up after %.2f s", time.monotonic() - t0)
 
         if self.accounting:
             pids["mariadbd"] = self._start_mariadb(left())
             self._save_state(pids)
+            logger.debug("MariaDB up after %.2f s", time.monotonic() - t0)
             dbd_log = self.log_dir / "slurmdbd.log"
             self._run_forking(["slurmdbd"], "slurmdbd.out", "slurmdbd")
             pids["slurmdbd"] = self._wait_pid_file(
@@ -569,6 +572,7 @@ class LocalCluster:
             self._run_client(
                 ["sacctmgr", "-i", "add", "cluster", self.cluster_name], "register cluster"
             )
+            logger.debug("slurmdbd up after %.2f s", time.monotonic() - t0)
 
         ctld_log = self.log_dir / "slurmctld.log"
         self._run_forking(["slurmctld", "-f", str(self.conf_path)], "slurmctld.out", "slurmctld")
@@ -615,6 +619,7 @@ class LocalCluster:
                 f"mariadb-install-db failed ({install.returncode}):\n{install.stdout[-2000:]}"
                 f"\n{install.stderr[-2000:]}"
             )
+        logger.debug("mariadb-install-db done")
         proc = self._spawn(
             [
                 "mariadbd",
@@ -631,7 +636,6 @@ class LocalCluster:
                 "--innodb-log-file-size=16M",
                 # Throw-away data: durability is not worth the fsyncs on a 2-core CI box.
                 "--innodb-flush-log-at-trx-commit=0",
-                "--skip-innodb-doublewrite",
                 "--skip-name-resolve",
             ],
             "mariadbd.out",

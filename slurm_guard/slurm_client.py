@@ -217,9 +217,20 @@ class CommandSlurmClient:
         error handling; prefer adding a method here.
         """
         limit = self.timeout if timeout is None else timeout
+        env = self._command_env()
+        conf = env.get("SLURM_CONF")
+        if conf is not None and not os.path.isfile(conf):
+            # Slurm would retry for 60 s ("cannot stat file ... retrying"), which looks like an
+            # unreachable controller; this is a configuration error: fail now and say so.
+            raise SlurmCommandError(
+                f"SLURM_CONF={conf!r} is not a file: point it at the cluster's slurm.conf",
+                argv,
+                None,
+                "",
+            )
         logger.debug("slurm command: %s", argv)
         try:
-            result = self._runner(argv, self._command_env(), limit)
+            result = self._runner(argv, env, limit)
         except subprocess.TimeoutExpired as exc:
             raise SlurmUnavailable(
                 f"{argv[0]} did not answer within {limit:.0f} s; slurmctld may be down or "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -49,3 +48,50 @@ def train_tiny_gpt(
             "losses": losses,
         }
     return {"alarm": None, "final": weights(model), "start": start, "losses": losses}
+
+
+SMALL = TinyGPTConfig(vocab=32, context=8, width=16, heads=2, layers=1, dropout=0.1)
+
+
+def run_scenarios(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several independent guarded trainings in one process group (spawning is the slow part).
+
+    Each scenario: run_dir, steps, config; optional checkpoint_every. A fresh model, DDP wrapper
+    and Guard per scenario.
+    """
+    results = []
+    for sc in scenarios:
+        results.append(
+            train_tiny_gpt(
+                sc["run_dir"],
+                sc["steps"],
+                sc["config"],
+                sc.get("checkpoint_every", 0),
+                sc.get("model", SMALL),
+            )
+        )
+        dist.barrier()
+    return results
+
+
+def bad_loss(run_dir: str) -> str:
+    """A loss_fn that returns a vector must be refused before any update."""
+    torch.manual_seed(0)
+    ddp = DDP(TinyGPT(SMALL))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+    def per_token_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(batch["tokens"]).mean(dim=-1)
+
+    guard = sg.Guard(ddp, opt, per_token_loss, run_dir)
+    before = weights(ddp.module)
+    try:
+        guard.step(make_batch(0, dist.get_rank(), SMALL))
+    except sg.GuardError as exc:
+        unchanged = all(bool((a == b).all()) for a, b in zip(before, weights(ddp.module)))
+        return f"{exc} | unchanged={unchanged}"
+    return "no error"
+
+
+def ledger_path(run_dir: str) -> Path:
+    return Path(run_dir) / "ledger.jsonl"

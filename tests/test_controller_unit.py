@@ -1,0 +1,511 @@
+"""Controller decisions and engine bookkeeping, against an in-memory SlurmClient.
+
+The fake is only for decision logic and journal bookkeeping; everything that depends on how Slurm
+really behaves is tested against the real local cluster in test_controller_slurm.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from slurm_guard.cli import main
+from slurm_guard.controller.engine import Engine, EngineError
+from slurm_guard.controller.policy import (
+    REASON_PREFIX,
+    JobFacts,
+    Outcome,
+    Policy,
+    PolicyError,
+    decide,
+)
+from slurm_guard.controller.state import StateStore
+from slurm_guard.controller.watch import scan_once
+from slurm_guard.records import Alarm
+from slurm_guard.rundir import RunDir
+from slurm_guard.slurm_client import JobInfo, NodeInfo, SlurmUnavailable
+
+
+class FakeSlurm:
+    """Just enough Slurm: drain sets DRAIN + reason, requeuehold makes a held pending job."""
+
+    def __init__(self, nodes: int = 4) -> None:
+        self.nodes_state: dict[str, dict[str, Any]] = {
+            f"node{i}": {"states": {"IDLE"}, "reason": None} for i in range(1, nodes + 1)
+        }
+        self.jobs: dict[str, JobInfo] = {}
+        self.calls: list[tuple[str, ...]] = []
+        self.unavailable = False
+
+    def add_job(
+        self,
+        job_id: str,
+        nodes: tuple[str, ...],
+        state: str = "FAILED",
+        user_id: int = 0,
+        comment: str = "",
+    ) -> None:
+        self.jobs[job_id] = JobInfo(
+            job_id=job_id,
+            state=state,
+            reason="None",
+            nodes=nodes,
+            user="u",
+            user_id=user_id,
+            restart_count=0,
+            exit_code=86,
+            exit_signal=0,
+            excluded_nodes=(),
+            work_dir="/",
+            name="train",
+            requeue=True,
+            held=False,
+        )
+
+    def _check(self) -> None:
+        if self.unavailable:
+            raise SlurmUnavailable(
+                "slurmctld down", ["scontrol"], 1, "Unable to contact slurm controller"
+            )
+
+    def job(self, job_id: str) -> JobInfo | None:
+        self._check()
+        return self.jobs.get(job_id)
+
+    def node(self, name: str) -> NodeInfo:
+        self._check()
+        s = self.nodes_state[name]
+        return NodeInfo(
+            name=name,
+            states=frozenset(s["states"]),
+            reason=s["reason"],
+            reason_user="root" if s["reason"] else None,
+            address="127.0.0.1",
+            hostname="localhost",
+        )
+
+    def nodes(self) -> list[NodeInfo]:
+        return [self.node(n) for n in self.nodes_state]
+
+    def expand_hostlist(self, expr: str) -> list[str]:
+        return expr.split(",")
+
+    def drain(self, node: str, reason: str) -> None:
+        self._check()
+        self.calls.append(("drain", node, reason))
+        self.nodes_state[node] = {"states": {"IDLE", "DRAIN"}, "reason": reason}
+
+    def resume(self, node: str) -> None:
+        self._check()
+        self.calls.append(("resume", node))
+        self.nodes_state[node] = {"states": {"IDLE"}, "reason": None}
+
+    def fail(self, node: str, reason: str) -> None:
+        self._check()
+        self.calls.append(("fail", node, reason))
+        self.nodes_state[node] = {"states": {"IDLE", "DRAIN", "FAIL"}, "reason": reason}
+
+    def _update(self, job_id: str, **changes: Any) -> None:
+        self.jobs[job_id] = dataclasses.replace(self.jobs[job_id], **changes)
+
+    def requeue_hold(self, job_id: str) -> None:
+        self._check()
+        self.calls.append(("requeue_hold", job_id))
+        j = self.jobs[job_id]
+        self._update(
+            job_id, state="PENDING", held=True, nodes=(), restart_count=j.restart_count + 1
+        )
+
+    def set_excluded_nodes(self, job_id: str, nodes: Any) -> None:
+        self._check()
+        self.calls.append(("exclude", job_id, ",".join(nodes)))
+        self._update(job_id, excluded_nodes=tuple(nodes))
+
+    def release(self, job_id: str) -> None:
+        self._check()
+        self.calls.append(("release", job_id))
+        self._update(job_id, held=False)
+
+    def set_start_time(self, job_id: str, when: str) -> None:
+        self._check()
+        self.calls.append(("start", job_id, when))
+
+    def submit(self, script: Path, args: Any = ()) -> str:
+        raise NotImplementedError
+
+    def count(self, op: str) -> int:
+        return sum(1 for c in self.calls if c[0] == op)
+
+
+def make_alarm(
+    job_id: str | None = "100",
+    alarm_id: str = "a1",
+    verdict: str = "sdc",
+    nodes: tuple[str, ...] = ("node2",),
+    **kw: Any,
+) -> Alarm:
+    values: dict[str, Any] = dict(
+        alarm_id=alarm_id,
+        job_id=job_id,
+        restart_count=0,
+        step=340,
+        check="replay",
+        verdict=verdict,
+        suspect_ranks=(1,),
+        suspect_nodes=nodes,
+        suspect_hosts=tuple("localhost" for _ in nodes),
+        last_verified_step=330,
+        trusted_checkpoint=None,
+        update_applied=False,
+        evidence={"loss": [1.0, 1.5]},
+        message="replay mismatch",
+        world_size=3,
+        created=time.time(),
+    )
+    values.update(kw)
+    return Alarm(**values)
+
+
+def write_alarm(run_dir: Path, alarm: Alarm) -> Path:
+    rd = RunDir(run_dir)
+    rd.ensure()
+    return rd.write_alarm(alarm)
+
+
+# --------------------------------------------------------------------------- fixtures
+
+ALLOC = ("node1", "node2", "node3")
+
+
+@pytest.fixture
+def slurm() -> FakeSlurm:
+    fake = FakeSlurm()
+    fake.add_job("100", ALLOC, user_id=os.getuid())
+    return fake
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> StateStore:
+    return StateStore(tmp_path / "state")
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "runs" / "r1"
+    RunDir(d).ensure()
+    return d
+
+
+def engine(slurm: FakeSlurm, store: StateStore, policy: Policy | None = None) -> Engine:
+    return Engine(slurm, store, policy or Policy())
+
+
+FACTS = JobFacts(exists=True, state="FAILED", nodes=frozenset(ALLOC), user_id=1000)
+
+
+# --------------------------------------------------------------------------- pure decisions
+
+
+def test_decide_sdc_acts_on_suspects() -> None:
+    d = decide(make_alarm(), "100", FACTS, 1000, Policy(), drains_in_window=0)
+    assert d.outcome is Outcome.ACT
+    assert d.drain_nodes == ("node2",) and d.exclude_nodes == ("node2",)
+
+
+@pytest.mark.parametrize(
+    ("alarm", "facts", "uid", "expected"),
+    [
+        (make_alarm(), JobFacts(exists=False), 1000, "does not exist"),
+        (make_alarm(nodes=("node4",)), FACTS, 1000, "not in job 100's allocation"),
+        (make_alarm(), FACTS, 65534, "owned by uid 65534"),
+        (make_alarm(job_id="7"), FACTS, 1000, "names job 7"),
+        (make_alarm(nodes=()), FACTS, 1000, "without a suspect node"),
+    ],
+)
+def test_decide_rejects_unsafe_alarms(
+    alarm: Alarm, facts: JobFacts, uid: int, expected: str
+) -> None:
+    d = decide(alarm, "100", facts, uid, Policy(), drains_in_window=0)
+    assert d.outcome is Outcome.REJECTED
+    assert expected in d.reason
+
+
+def test_decide_numerical_ambiguous_and_policies() -> None:
+    num = decide(make_alarm(verdict="numerical"), "100", FACTS, 1000, Policy(), drains_in_window=0)
+    assert num.outcome is Outcome.NO_ACTION and "numerical" in num.reason
+    amb = decide(make_alarm(verdict="ambiguous"), "100", FACTS, 1000, Policy(), drains_in_window=0)
+    assert amb.outcome is Outcome.HOLD and amb.drain_nodes == ()
+    amb_drain = decide(
+        make_alarm(verdict="ambiguous"),
+        "100",
+        FACTS,
+        1000,
+        Policy(ambiguous="drain"),
+        drains_in_window=0,
+    )
+    assert amb_drain.outcome is Outcome.ACT
+    appr = decide(make_alarm(), "100", FACTS, 1000, Policy(mode="approve"), drains_in_window=0)
+    assert appr.outcome is Outcome.AWAIT_APPROVAL
+    tripped = decide(make_alarm(), "100", FACTS, 1000, Policy(max_drains=2), drains_in_window=2)
+    assert tripped.outcome is Outcome.AWAIT_APPROVAL and "circuit breaker" in tripped.reason
+
+
+def test_decide_defers_running_job_unless_in_job() -> None:
+    running = JobFacts(exists=True, state="RUNNING", nodes=frozenset(ALLOC), user_id=1000)
+    assert decide(make_alarm(), "100", running, 1000, Policy(), drains_in_window=0).outcome is (
+        Outcome.DEFER
+    )
+    in_job = decide(make_alarm(), "100", running, 1000, Policy(), drains_in_window=0, in_job=True)
+    assert in_job.outcome is Outcome.ACT
+
+
+def test_policy_file_round_trip_and_validation(tmp_path: Path) -> None:
+    Policy(mode="approve", max_drains=5).save(tmp_path)
+    assert Policy.load(tmp_path) == Policy(mode="approve", max_drains=5)
+    (tmp_path / "policy.json").write_text(json.dumps({"mode": "yolo"}))
+    with pytest.raises(PolicyError, match="yolo"):
+        Policy.load(tmp_path)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def test_engine_drains_then_requeues_in_safe_order(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path
+) -> None:
+    write_alarm(run_dir, make_alarm())
+    report = engine(slurm, store).process_job("100", run_dir)
+    assert [c[0] for c in slurm.calls] == ["drain", "requeue_hold", "exclude", "release", "start"]
+    reason = slurm.calls[0][2]
+    assert reason.startswith(REASON_PREFIX)
+    assert all(s in reason for s in ("job 100", "step 340", "replay", "a1"))
+    assert slurm.jobs["100"].excluded_nodes == ("node2",)
+    assert not report.pending
+
+
+def test_engine_twice_and_concurrently_acts_once(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path
+) -> None:
+    write_alarm(run_dir, make_alarm())
+    threads = [
+        threading.Thread(target=engine(slurm, store).process_job, args=("100", run_dir))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine(slurm, store).process_job("100", run_dir)
+    assert slurm.count("drain") == 1 and slurm.count("requeue_hold") == 1
+
+
+class Crash(BaseException):
+    """Stands for the process dying: not an Exception, so nothing in the engine catches it."""
+
+
+@pytest.mark.parametrize("after_command", [False, True])
+def test_crash_after_intent_is_finished_by_next_run(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path, after_command: bool
+) -> None:
+    write_alarm(run_dir, make_alarm())
+    real = slurm.requeue_hold
+
+    def dying(job_id: str) -> None:
+        if after_command:
+            real(job_id)
+        raise Crash
+
+    slurm.requeue_hold = dying  # type: ignore[method-assign]
+    with pytest.raises(Crash):
+        engine(slurm, store).process_job("100", run_dir)
+    assert slurm.count("drain") == 1 and slurm.count("exclude") == 0
+    slurm.requeue_hold = real  # type: ignore[method-assign]
+    engine(slurm, store).retry_pending()  # the unfinished plan is found without the run dir
+    assert slurm.count("drain") == 1
+    assert slurm.count("requeue_hold") == 1
+    assert slurm.count("release") == 1 and slurm.jobs["100"].excluded_nodes == ("node2",)
+
+
+def test_unreachable_slurm_leaves_job_pending_and_retry_acts(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path
+) -> None:
+    write_alarm(run_dir, make_alarm())
+    slurm.unavailable = True
+    report = engine(slurm, store).process_job("100", run_dir)
+    assert report.pending and "unreachable" in report.pending_reason
+    assert "100" in store.pending()
+    slurm.unavailable = False
+    engine(slurm, store).retry_pending()
+    assert slurm.count("drain") == 1 and slurm.count("release") == 1
+    assert store.pending() == {}
+
+
+def test_foreign_drained_node_is_left_alone(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path
+) -> None:
+    slurm.nodes_state["node2"] = {"states": {"IDLE", "DRAIN"}, "reason": "bad DIMM (ops)"}
+    write_alarm(run_dir, make_alarm())
+    engine(slurm, store).process_job("100", run_dir)
+    assert slurm.count("drain") == 0
+    assert slurm.nodes_state["node2"]["reason"] == "bad DIMM (ops)"
+    assert slurm.jobs["100"].excluded_nodes == ("node2",)  # still kept away from the job
+    with pytest.raises(EngineError, match="not set by slurm-guard"):
+        engine(slurm, store).return_node("node2", "looks fine", "admin")
+    with pytest.raises(EngineError, match="not set by slurm-guard"):
+        engine(slurm, store).retire_node("node2", "looks bad", "admin")
+    assert slurm.count("resume") == 0 and slurm.count("fail") == 0
+
+
+def test_circuit_breaker_counts_drains_across_jobs(
+    slurm: FakeSlurm, store: StateStore, tmp_path: Path
+) -> None:
+    policy = Policy(max_drains=1)
+    for i, node in ((1, "node1"), (2, "node2")):
+        job = str(100 + i)
+        slurm.add_job(job, ALLOC, user_id=os.getuid())
+        d = tmp_path / f"run{i}"
+        write_alarm(d, make_alarm(job_id=job, alarm_id=f"x{i}", nodes=(node,)))
+        engine(slurm, store, policy).process_job(job, d)
+    assert slurm.count("drain") == 1
+    journal = store.read()
+    assert journal.alarms["x2"]["outcome"] == "await_approval"
+    engine(slurm, store, policy).approve("x2", "checked the evidence", "admin")
+    assert slurm.count("drain") == 2 and slurm.jobs["102"].excluded_nodes == ("node2",)
+
+
+def test_approve_policy_waits_for_admin(slurm: FakeSlurm, store: StateStore, run_dir: Path) -> None:
+    write_alarm(run_dir, make_alarm())
+    eng = engine(slurm, store, Policy(mode="approve"))
+    eng.process_job("100", run_dir)
+    eng.process_job("100", run_dir)
+    assert slurm.calls == []
+    with pytest.raises(EngineError, match="reason"):
+        eng.approve("a1", "  ", "admin")
+    eng.approve("a1", "evidence is convincing", "admin")
+    assert slurm.count("drain") == 1 and slurm.count("release") == 1
+    with pytest.raises(EngineError, match="already approved"):
+        eng.approve("a1", "again", "admin")
+
+
+def test_ambiguous_holds_job_and_numerical_does_nothing(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path
+) -> None:
+    write_alarm(run_dir, make_alarm(alarm_id="num", verdict="numerical"))
+    engine(slurm, store).process_job("100", run_dir)
+    assert slurm.calls == []
+    assert "numerical" in store.read().alarms["num"]["reason"]
+    write_alarm(run_dir, make_alarm(alarm_id="amb", verdict="ambiguous"))
+    engine(slurm, store).process_job("100", run_dir)
+    assert [c[0] for c in slurm.calls] == ["requeue_hold"]
+    assert slurm.jobs["100"].held
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"schema": 1, "alarm_id": "bad", "job', "not valid JSON"),
+        (b'["not", "an", "object"]', "expected a JSON object"),
+        (b"{" + b" " * (2 << 20) + b"}", "larger than"),
+        (b'{"schema": 99}', "newer than"),
+    ],
+)
+def test_bad_alarm_files_are_rejected_once(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path, content: bytes, message: str
+) -> None:
+    (run_dir / "alarms" / "bad.json").write_bytes(content)
+    report = engine(slurm, store).process_job("100", run_dir)
+    assert any(message in p for p in report.problems)
+    engine(slurm, store).process_job("100", run_dir)
+    assert len([e for e in store.read().entries if e["type"] == "bad_file"]) == 1
+    assert slurm.calls == []
+
+
+def test_symlinked_alarm_is_rejected(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path, tmp_path: Path
+) -> None:
+    target = write_alarm(tmp_path / "elsewhere", make_alarm())
+    (run_dir / "alarms" / "a1.json").symlink_to(target)
+    report = engine(slurm, store).process_job("100", run_dir)
+    assert any("symbolic link" in p for p in report.problems)
+    assert slurm.calls == []
+
+
+def test_dry_run_changes_nothing(slurm: FakeSlurm, store: StateStore, run_dir: Path) -> None:
+    write_alarm(run_dir, make_alarm())
+    report = Engine(slurm, store, Policy(), dry_run=True).process_job("100", run_dir)
+    assert slurm.calls == [] and not store.journal_path.exists()
+    assert any(a.startswith("would drain node2") for a in report.actions)
+
+
+def test_watcher_finds_alarm_under_runs_root(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path
+) -> None:
+    write_alarm(run_dir, make_alarm())
+    reports = scan_once(engine(slurm, store), run_dir.parent)
+    assert [r.job_id for r in reports] == ["100"]
+    assert scan_once(engine(slurm, store), run_dir.parent) == []
+    assert slurm.count("drain") == 1
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def invoke(slurm: FakeSlurm, *args: str, env: dict[str, str] | None = None) -> Any:
+    return CliRunner().invoke(main, list(args), obj={"slurm_client": slurm}, env=env)
+
+
+def test_cli_status_review_and_return(slurm: FakeSlurm, store: StateStore, run_dir: Path) -> None:
+    write_alarm(run_dir, make_alarm())
+    sd = str(store.root)
+    result = invoke(
+        slurm,
+        "epilog",
+        "--state-dir",
+        sd,
+        env={
+            "SLURM_JOB_ID": "100",
+            "SLURM_JOB_EXIT_CODE2": "86:0",
+            "SLURM_JOB_COMMENT": f"slurm-guard:run_dir={run_dir}",
+        },
+    )
+    assert result.exit_code == 0, result.output
+    status = invoke(slurm, "status", "100", "--state-dir", sd, "--json")
+    assert status.exit_code == 0, status.output
+    view = json.loads(status.output)
+    assert view["alarms"][0]["decision"] == "act"
+    assert {a["op"] for a in view["controller_actions"]} >= {"drain", "release"}
+    table = invoke(slurm, "status", str(run_dir), "--state-dir", sd)
+    assert "a1" in table.output and "replay" in table.output
+    review = invoke(slurm, "review", "--state-dir", sd, "--json")
+    nodes = json.loads(review.output)["nodes"]
+    assert [n["node"] for n in nodes] == ["node2"] and nodes[0]["jobs"] == ["100"]
+    missing = invoke(slurm, "review", "--state-dir", sd, "return", "node2")
+    assert missing.exit_code != 0 and "--reason" in missing.output
+    back = invoke(slurm, "review", "--state-dir", sd, "return", "node2", "--reason", "diag ok")
+    assert back.exit_code == 0, back.output
+    assert slurm.nodes_state["node2"]["reason"] is None
+
+
+def test_cli_errors_say_what_to_do(slurm: FakeSlurm, store: StateStore) -> None:
+    result = invoke(
+        slurm, "review", "--state-dir", str(store.root), "approve", "nope", "--reason", "x"
+    )
+    assert result.exit_code == 1 and "slurm-guard review" in result.output
+    result = invoke(
+        slurm,
+        "recover",
+        "--run-dir",
+        "/tmp",
+        "--state-dir",
+        str(store.root),
+        env={"SLURM_JOB_ID": ""},
+    )
+    assert result.exit_code == 1 and "inside the batch job" in result.output
