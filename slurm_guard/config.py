@@ -52,9 +52,14 @@ class GuardConfig:
                     f"GuardConfig.{name}={value!r}: must be an integer from 1 to 1000000 "
                     f"(1 checks every step, 10 is the default)"
                 )
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not 0 <= self.seed < 2**62):
-            raise ConfigError(f"GuardConfig.seed={self.seed!r}: must be None or an int in [0, 2^62)")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**62
+        ):
+            raise ConfigError(
+                f"GuardConfig.seed={self.seed!r}: must be None or an int in [0, 2^62)"
+            )
         if self.on_numerical not in ("stop", "skip"):
             raise ConfigError(
                 f"GuardConfig.on_numerical={self.on_numerical!r}: must be 'stop' (raise, no "

@@ -132,10 +132,13 @@ class FaultInjector:
         for fault in self.faults:
             if fault.kind in BACKWARD_KINDS:
                 param = params[fault.param % len(params)]
-                self._handles.append(param.register_hook(self._grad_hook(fault)))
+                hook = self._grad_hook(fault)
+                self._handles.append(param.register_hook(hook))  # type: ignore[no-untyped-call]
             elif fault.kind == "activation":
                 first = next(
-                    m for m in module.modules() if next(m.parameters(recurse=False), None) is not None
+                    m
+                    for m in module.modules()
+                    if next(m.parameters(recurse=False), None) is not None
                 )
                 self._handles.append(first.register_forward_hook(self._forward_hook(fault)))
         self._weight_faults = [

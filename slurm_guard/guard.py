@@ -32,11 +32,11 @@ from slurm_guard.hooks import HookState, guard_comm_hook
 from slurm_guard.records import (
     Alarm,
     LedgerEntry,
+    RecordError,
     append_ledger,
     atomic_write_json,
     read_json_file,
     read_ledger,
-    RecordError,
 )
 from slurm_guard.replay import LossFn, capture
 from slurm_guard.rundir import RunDir, choose_trusted_checkpoint
@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 RUN_SCHEMA = 1
 
 
-def _check_run_dir(path: Path) -> None:
+def check_run_dir(path: Path) -> None:
     if not path.exists():
         raise GuardError(
             f"run directory {path} does not exist; create it on a filesystem shared by all "
@@ -99,7 +99,7 @@ class Guard:
             raise GuardError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
         self.config = config if config is not None else GuardConfig()
         self.run_dir = RunDir(run_dir)
-        _check_run_dir(self.run_dir.root)
+        check_run_dir(self.run_dir.root)
         self.ddp = model
         self.module: nn.Module = model.module
         self.optimizer = optimizer
@@ -130,7 +130,7 @@ class Guard:
             fingerprinter=self.fingerprinter,
             param_index={id(p): i for i, p in enumerate(self.params)},
         )
-        model.register_comm_hook(self.hook, guard_comm_hook)  # type: ignore[no-untyped-call]
+        model.register_comm_hook(self.hook, guard_comm_hook)
         problem: GuardError | None = None
         try:
             faults = self.config.faults + faults_from_env()
@@ -155,8 +155,9 @@ class Guard:
 
     def _broadcast_ints(self, values: list[int]) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
-        dist.broadcast(t, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                       group=self.group)
+        dist.broadcast(
+            t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
+        )
         return [int(v) for v in t.tolist()]
 
     def _all_ok(self, ok: bool) -> bool:
@@ -170,10 +171,8 @@ class Guard:
         seed = 0
         if self.rank == 0:
             seed = self.config.seed if self.config.seed is not None else secrets.randbits(62)
-            try:
+            with contextlib.suppress(RecordError, KeyError, TypeError, ValueError):
                 seed = int(read_json_file(self.run_dir.run_file)["seed"])
-            except (RecordError, KeyError, TypeError, ValueError):
-                pass
         return self._broadcast_ints([seed])[0]
 
     def _write_run_file(self) -> None:
@@ -205,7 +204,7 @@ class Guard:
         buffers = [b.detach().clone() for b in self.module.buffers()]
         self.hook.active = False
         try:
-            self._loss(batch).backward()
+            self._loss(batch).backward()  # type: ignore[no-untyped-call]
         finally:
             self.hook.active = True
             self.optimizer.zero_grad(set_to_none=True)
@@ -243,7 +242,7 @@ class Guard:
         self.optimizer.zero_grad(set_to_none=True)
         self.hook.reset(fingerprint_local=verify)
         loss = self._loss(batch)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         finding, skipped = self.verifier.check_step(step, loss.detach(), captured, verify)
         if finding is not None:
             self._alarm(finding, step, update_applied=False)
@@ -350,8 +349,9 @@ class Guard:
         hosts = sorted({self.topology.ranks[r].hostname for r in suspects})
         trusted = self._trusted_for(self.last_verified_step)
         verdict = finding.verdict
+        job = self.job_id or "local"
         return Alarm(
-            alarm_id=f"job{self.job_id or 'local'}-r{self.restart_count}-step{step}-{finding.check}",
+            alarm_id=f"job{job}-r{self.restart_count}-step{step}-{finding.check}",
             job_id=self.job_id,
             restart_count=self.restart_count,
             step=step,
@@ -383,7 +383,8 @@ class Guard:
         last passing replay; newer checkpoints are moved to quarantine/<alarm_id>/ and the alarm
         is marked handled, so a later restart does not roll back again.
         """
-        chosen, last_verified, unhandled = -1, -1, []
+        chosen, last_verified = -1, -1
+        unhandled: list[str] = []
         if self.rank == 0:
             chosen, last_verified, unhandled = self._choose_resume_point()
         chosen, last_verified = self._broadcast_ints([chosen, last_verified])
@@ -396,13 +397,13 @@ class Guard:
             self.last_verified_step = last_verified if last_verified >= 0 else None
         if self.rank == 0:
             for alarm_id in unhandled:
-                moved = self.run_dir.quarantine_after(max(chosen, 0), alarm_id) if chosen >= 0 \
-                    else self.run_dir.quarantine_after(-1, alarm_id)
+                # With no trusted checkpoint (chosen = -1) every checkpoint is quarantined.
+                moved = self.run_dir.quarantine_after(chosen, alarm_id)
                 self.run_dir.mark_handled(
                     alarm_id,
                     {
                         "alarm_id": alarm_id,
-                        "resumed_from_step": max(chosen, 0),
+                        "resumed_from_step": self.step_count,
                         "quarantined": moved,
                         "restart_count": self.restart_count,
                         "time": time.time(),

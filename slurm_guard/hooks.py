@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import GradBucket  # the class DDP compares against
 
 from slurm_guard.fingerprint import Fingerprinter
 
@@ -38,9 +39,7 @@ class HookState:
 
 # No `from __future__ import annotations` in this module: DDP inspects the hook's signature and
 # insists that the `bucket` annotation is the real dist.GradBucket class, not a string.
-def guard_comm_hook(
-    state: HookState, bucket: dist.GradBucket
-) -> torch.futures.Future[torch.Tensor]:
+def guard_comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     if state.active:
         state.local_sums.append(buffer.sum(dtype=torch.float64))

@@ -2,7 +2,7 @@
 
 Layout (all on a filesystem shared by the nodes and the controller):
 
-    run.json                      per-run seed, configuration, rank -> node map (rewritten per start)
+    run.json                      seed, configuration, rank -> node map (rewritten per start)
     ledger.jsonl                  one line per verification result
     alarms/<alarm_id>.json        one alarm each, written once
     handled/<alarm_id>.json       written by resume() once the rollback for that alarm is done

@@ -23,7 +23,9 @@ _NAME_BYTES = 256
 
 def local_rank_info(rank: int) -> RankInfo:
     hostname = socket.gethostname()
-    return RankInfo(rank=rank, node=os.environ.get("SLURMD_NODENAME") or hostname, hostname=hostname)
+    return RankInfo(
+        rank=rank, node=os.environ.get("SLURMD_NODENAME") or hostname, hostname=hostname
+    )
 
 
 def _encode(text: str) -> torch.Tensor:

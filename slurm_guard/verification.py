@@ -33,8 +33,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # Row layout of the per-step gather.
-LOCAL_NONFINITE, REDUCED_NONFINITE, OWN_LOSS, OWN_GRAD, REPLAYED, REPLAY_LOSS, REPLAY_GRAD, \
-    REPLAY_NONFINITE = range(8)
+(
+    LOCAL_NONFINITE,
+    REDUCED_NONFINITE,
+    OWN_LOSS,
+    OWN_GRAD,
+    REPLAYED,
+    REPLAY_LOSS,
+    REPLAY_GRAD,
+    REPLAY_NONFINITE,
+) = range(8)
 ROW = 8
 
 
@@ -124,27 +132,39 @@ class Verifier:
         rows = self._gather(row)
 
         if g.config.finite_check and any(r[LOCAL_NONFINITE] for r in rows):
-            flagged = [rank for rank, r in enumerate(rows) if r[LOCAL_NONFINITE]]
-            if verify:
-                reproduced = {
-                    o: bool(rows[g.topology.replayer[o]][REPLAY_NONFINITE]) for o in flagged
-                }
-            else:
-                extra = self.replay_round([(o, g.topology.replayer[o]) for o in flagged], captured)
-                reproduced = {o: extra[o][2] for o in flagged}
-            finding = judge_nonfinite(flagged, reproduced, "finite_local")
-            self._ledger(step, "finite_local", False, {"verdict": finding.verdict})
-            if finding.verdict == "numerical" and g.config.on_numerical == "skip":
-                logger.warning("step %d skipped: %s", step, finding.message)
-                return None, True
-            return finding, True
+            return self._triage_nonfinite(step, rows, captured, verify)
         if g.config.finite_check:
             reduced = judge_reduced_nonfinite([bool(r[REDUCED_NONFINITE]) for r in rows])
             if reduced is not None:
                 return reduced, True
         if not verify:
             return None, False
+        finding = self._judge_replays(rows, captured)
+        if finding is None:
+            g.last_verified_step = step
+            self._ledger(step, "replay", True, {"comparisons": g.world_size})
+        return finding, finding is not None
 
+    def _triage_nonfinite(
+        self, step: int, rows: list[list[int]], captured: Captured, verify: bool
+    ) -> tuple[Finding | None, bool]:
+        """Replay each rank that saw NaN/Inf on another node: reproduced means numerical."""
+        g = self.g
+        flagged = [rank for rank, r in enumerate(rows) if r[LOCAL_NONFINITE]]
+        if verify:  # the ring replay already recomputed every microbatch
+            reproduced = {o: bool(rows[g.topology.replayer[o]][REPLAY_NONFINITE]) for o in flagged}
+        else:
+            extra = self.replay_round([(o, g.topology.replayer[o]) for o in flagged], captured)
+            reproduced = {o: extra[o][2] for o in flagged}
+        finding = judge_nonfinite(flagged, reproduced, "finite_local")
+        self._ledger(step, "finite_local", False, {"verdict": finding.verdict})
+        if finding.verdict == "numerical" and g.config.on_numerical == "skip":
+            logger.warning("step %d skipped: %s", step, finding.message)
+            return None, True
+        return finding, True
+
+    def _judge_replays(self, rows: list[list[int]], captured: Captured) -> Finding | None:
+        g = self.g
         results = [
             ReplayResult(
                 owner=o,
@@ -157,18 +177,14 @@ class Verifier:
             for o in range(g.world_size)
         ]
         judgement = judge_replays(results, g.topology)
-        finding = judgement.finding
-        if judgement.settle is not None:
-            disputed = judgement.settle
-            third = g.topology.third_rank(disputed.owner, disputed.replayer)
-            assert third is not None
-            extra = self.replay_round([(disputed.owner, third)], captured)
-            third_loss, third_grad, _ = extra[disputed.owner]
-            finding = settle_with_third(disputed, third, third_loss, third_grad)
-        if finding is None:
-            g.last_verified_step = step
-            self._ledger(step, "replay", True, {"comparisons": len(results)})
-        return finding, finding is not None
+        if judgement.settle is None:
+            return judgement.finding
+        disputed = judgement.settle
+        third = g.topology.third_rank(disputed.owner, disputed.replayer)
+        assert third is not None  # judge_replays asks to settle only when a third rank exists
+        extra = self.replay_round([(disputed.owner, third)], captured)
+        third_loss, third_grad, _ = extra[disputed.owner]
+        return settle_with_third(disputed, third, third_loss, third_grad)
 
     def vote(self, step: int) -> tuple[int, Finding | None]:
         """Fingerprint this replica's whole state and compare it with every other replica's."""

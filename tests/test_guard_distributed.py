@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 import torch
+from workers import run_scenarios
 
 import slurm_guard as sg
 from slurm_guard.faults import BACKWARD_KINDS, KINDS
 from slurm_guard.local_launch import RankOutcome, run_local
 from slurm_guard.records import read_ledger
-from workers import run_scenarios
 
 pytestmark = pytest.mark.distributed
 
@@ -36,8 +36,12 @@ def expected_detection(kind: str, onset: int, persistent: bool) -> int:
     if kind == "weight-bitflip":
         # the flip lands after the onset step's update: the vote after that update sees it,
         # a replay only from the next step on
-        next_vote = next(s for s in range(onset, onset + VOTE_EVERY + 1) if (s + 1) % VOTE_EVERY == 0)
-        later_replay = next(s for s in range(onset + 1, onset + REPLAY_EVERY + 2) if s % REPLAY_EVERY == 0)
+        next_vote = next(
+            s for s in range(onset, onset + VOTE_EVERY + 1) if (s + 1) % VOTE_EVERY == 0
+        )
+        later_replay = next(
+            s for s in range(onset + 1, onset + REPLAY_EVERY + 2) if s % REPLAY_EVERY == 0
+        )
         return min(next_vote, later_replay)
     return next_replay
 
@@ -49,19 +53,23 @@ def fault_matrix(tmp_path: Path) -> list[dict[str, Any]]:
             # persistent faults start between verifications; one-off faults must hit a verified
             # step to be visible at all (DESIGN.md: what no check catches)
             onset = 7 if persistent else 10
-            fault = sg.Fault(kind, rank=FAULTY_RANK, step=onset, persistent=persistent,
-                             param=DENSE_WEIGHT)
+            fault = sg.Fault(
+                kind, rank=FAULTY_RANK, step=onset, persistent=persistent, param=DENSE_WEIGHT
+            )
             run_dir = tmp_path / f"{kind}-{'persistent' if persistent else 'oneoff'}"
             run_dir.mkdir()
-            scenarios.append({
-                "run_dir": str(run_dir),
-                "steps": 17,
-                "config": sg.GuardConfig(replay_every=REPLAY_EVERY, vote_every=VOTE_EVERY,
-                                         faults=(fault,)),
-                "kind": kind,
-                "persistent": persistent,
-                "onset": onset,
-            })
+            scenarios.append(
+                {
+                    "run_dir": str(run_dir),
+                    "steps": 17,
+                    "config": sg.GuardConfig(
+                        replay_every=REPLAY_EVERY, vote_every=VOTE_EVERY, faults=(fault,)
+                    ),
+                    "kind": kind,
+                    "persistent": persistent,
+                    "onset": onset,
+                }
+            )
     return scenarios
 
 
@@ -99,8 +107,11 @@ def test_every_fault_kind_is_caught_at_first_verification(tmp_path: Path, topolo
 
 def test_two_nodes_detect_but_cannot_attribute(tmp_path: Path) -> None:
     fault = sg.Fault("grad-scale", rank=1, step=3, persistent=True, param=DENSE_WEIGHT)
-    scenario = {"run_dir": str(tmp_path), "steps": 8,
-                "config": sg.GuardConfig(replay_every=REPLAY_EVERY, faults=(fault,))}
+    scenario = {
+        "run_dir": str(tmp_path),
+        "steps": 8,
+        "config": sg.GuardConfig(replay_every=REPLAY_EVERY, faults=(fault,)),
+    }
     outcomes = run_local(run_scenarios, 2, args=([scenario],), nodes=["node1", "node2"])
     alarm = outcomes[0].value[0]["alarm"]
     assert alarm["step"] == 5 and alarm["check"] == "replay"
@@ -110,8 +121,11 @@ def test_two_nodes_detect_but_cannot_attribute(tmp_path: Path) -> None:
 
 def test_clean_training_raises_no_alarm_over_hundreds_of_checks(tmp_path: Path) -> None:
     steps = 150
-    scenario = {"run_dir": str(tmp_path), "steps": steps,
-                "config": sg.GuardConfig(replay_every=1, vote_every=1)}
+    scenario = {
+        "run_dir": str(tmp_path),
+        "steps": steps,
+        "config": sg.GuardConfig(replay_every=1, vote_every=1),
+    }
     outcomes = run_local(run_scenarios, 3, args=([scenario],), nodes=["n1", "n2", "n3"])
     assert [o.status for o in outcomes] == ["ok"] * 3
     assert all(o.value[0]["alarm"] is None for o in outcomes)
@@ -138,17 +152,21 @@ def test_resume_after_alarm_matches_uninterrupted_run_bit_for_bit(tmp_path: Path
     fault = sg.Fault("grad-scale", rank=1, step=17, persistent=True, param=DENSE_WEIGHT)
     runs = [
         {"run_dir": str(clean_dir), "steps": 30, "config": config, "checkpoint_every": 10},
-        {"run_dir": str(faulty_dir), "steps": 30, "checkpoint_every": 10,
-         "config": sg.GuardConfig(replay_every=REPLAY_EVERY, vote_every=VOTE_EVERY,
-                                  faults=(fault,))},
+        {
+            "run_dir": str(faulty_dir),
+            "steps": 30,
+            "checkpoint_every": 10,
+            "config": sg.GuardConfig(
+                replay_every=REPLAY_EVERY, vote_every=VOTE_EVERY, faults=(fault,)
+            ),
+        },
     ]
     first = run_local(run_scenarios, 3, args=(runs,), nodes=nodes)
     alarm = first[0].value[1]["alarm"]
     assert alarm["step"] == 20 and alarm["last_verified_step"] == 15
     assert alarm["trusted_checkpoint"] == "step-00000010"
 
-    restart = [{"run_dir": str(faulty_dir), "steps": 30, "config": config,
-                "checkpoint_every": 10}]
+    restart = [{"run_dir": str(faulty_dir), "steps": 30, "config": config, "checkpoint_every": 10}]
     second = run_local(run_scenarios, 3, args=(restart,), nodes=nodes)
     assert second[0].value[0]["start"] == 10
     clean_finals = [o.value[0]["final"] for o in first]
@@ -187,4 +205,6 @@ def test_loss_that_is_not_a_scalar_is_refused_before_any_update(tmp_path: Path) 
 
 def test_all_fault_kinds_are_in_the_matrix() -> None:
     assert set(BACKWARD_KINDS) < set(KINDS)
-    assert {"activation", "weight-bitflip", "nan", "inf", "grad-scale", "grad-bitflip"} == set(KINDS)
+    assert {"activation", "weight-bitflip", "nan", "inf", "grad-scale", "grad-bitflip"} == set(
+        KINDS
+    )

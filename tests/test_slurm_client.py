@@ -290,7 +290,7 @@ def test_stopped_controller_is_unavailable(slurm_cluster: LocalCluster, tmp_path
     ]
     conf = tmp_path / "slurm.conf"
     conf.write_text("\n".join(lines) + "\n")
-    client = CommandSlurmClient(env={"SLURM_CONF": str(conf)}, timeout=2)
+    client = CommandSlurmClient(env={"SLURM_CONF": str(conf)}, timeout=1)
     with pytest.raises(SlurmUnavailable):
         client.job("1")
     with pytest.raises(SlurmUnavailable):

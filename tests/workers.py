@@ -88,10 +88,8 @@ def bad_loss(run_dir: str) -> str:
     try:
         guard.step(make_batch(0, dist.get_rank(), SMALL))
     except sg.GuardError as exc:
-        unchanged = all(bool((a == b).all()) for a, b in zip(before, weights(ddp.module)))
+        unchanged = all(
+            bool((a == b).all()) for a, b in zip(before, weights(ddp.module), strict=True)
+        )
         return f"{exc} | unchanged={unchanged}"
     return "no error"
-
-
-def ledger_path(run_dir: str) -> Path:
-    return Path(run_dir) / "ledger.jsonl"

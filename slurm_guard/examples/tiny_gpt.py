@@ -28,7 +28,9 @@ class Block(nn.Module):
     def __init__(self, cfg: TinyGPTConfig) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.width)
-        self.attn = nn.MultiheadAttention(cfg.width, cfg.heads, dropout=cfg.dropout, batch_first=True)
+        self.attn = nn.MultiheadAttention(
+            cfg.width, cfg.heads, dropout=cfg.dropout, batch_first=True
+        )
         self.norm2 = nn.LayerNorm(cfg.width)
         self.mlp = nn.Sequential(
             nn.Linear(cfg.width, 4 * cfg.width),
@@ -40,7 +42,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         h = self.norm1(x)
         x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.norm2(x))
+        out: torch.Tensor = x + self.mlp(self.norm2(x))
+        return out
 
 
 class TinyGPT(nn.Module):
@@ -62,7 +65,8 @@ class TinyGPT(nn.Module):
         mask = torch.triu(torch.ones(length, length, dtype=torch.bool, device=idx.device), 1)
         for block in self.blocks:
             x = block(x, mask)
-        return self.head(self.norm(x))
+        logits: torch.Tensor = self.head(self.norm(x))
+        return logits
 
 
 def lm_loss(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

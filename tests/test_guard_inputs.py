@@ -1,0 +1,87 @@
+"""Bad input gets a clear error before training starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import slurm_guard as sg
+from slurm_guard.faults import parse_faults
+from slurm_guard.guard import check_run_dir
+from slurm_guard.replay import Captured, pack, unpack
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"replay_every": 0}, {"vote_every": -1}, {"replay_every": 2.5}, {"seed": -3},
+     {"on_numerical": "ignore"}, {"replay_every": True}],
+)
+def test_config_out_of_range(kwargs: dict[str, object]) -> None:
+    with pytest.raises(sg.ConfigError, match="GuardConfig"):
+        sg.GuardConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_model_must_be_ddp(tmp_path: Path) -> None:
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(sg.GuardError, match="DistributedDataParallel"):
+        sg.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b), tmp_path)
+
+
+def test_missing_run_dir(tmp_path: Path) -> None:
+    with pytest.raises(sg.GuardError, match="does not exist"):
+        check_run_dir(tmp_path / "nope")
+
+
+def test_read_only_run_dir(tmp_path: Path) -> None:
+    """As an unprivileged user (root writes anywhere), in a child process."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    tmp_path.chmod(0o755)
+    code = (
+        "import os, sys\n"
+        "from slurm_guard.guard import check_run_dir\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        f"check_run_dir(__import__('pathlib').Path({str(ro)!r}))\n"
+    )
+    if os.geteuid() != 0:
+        pytest.skip("needs root to switch to an unprivileged user")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "not writable" in out.stderr
+
+
+def test_fault_spec_parsing() -> None:
+    faults = parse_faults("kind=grad-scale,node=node2,step=12,persistent=1; kind=nan,rank=0,step=3")
+    assert faults[0] == sg.Fault("grad-scale", node="node2", step=12, persistent=True)
+    assert faults[1] == sg.Fault("nan", rank=0, step=3)
+    for bad, words in [("kind=zap,rank=1,step=1", "unknown fault kind"),
+                       ("kind=nan,step=1", "exactly one of rank"),
+                       ("kind=nan,rank=x,step=1", "not a number"),
+                       ("kind=nan,rank", "not key=value"),
+                       ("kind=nan,rank=1", "needs at least")]:
+        with pytest.raises(sg.GuardError, match=words):
+            parse_faults(bad)
+
+
+def test_batch_travels_bit_for_bit() -> None:
+    batch = {"x": torch.randn(3, 4), "meta": [torch.arange(5), (torch.tensor([True]), 7, "s")],
+             "half": torch.randn(2).bfloat16(), "empty": torch.empty(0, 3)}
+    cap = Captured(batch=batch, cpu_rng=torch.get_rng_state(), cuda_rng=None)
+    back = unpack(pack(cap), torch.device("cpu"))
+    assert torch.equal(back.cpu_rng, cap.cpu_rng)
+    assert torch.equal(back.batch["x"], batch["x"])
+    assert torch.equal(back.batch["half"], batch["half"]) and back.batch["half"].dtype == torch.bfloat16
+    assert torch.equal(back.batch["meta"][0], batch["meta"][0])
+    assert back.batch["meta"][1][1:] == (7, "s") and isinstance(back.batch["meta"][1], tuple)
+    assert back.batch["empty"].shape == (0, 3)
+
+
+def test_unsupported_batch_leaf_is_refused() -> None:
+    with pytest.raises(sg.GuardError, match="tensors, numbers and strings"):
+        pack(Captured(batch={"x": object()}, cpu_rng=torch.get_rng_state(), cuda_rng=None))

@@ -1,0 +1,107 @@
+"""Pure verdict logic: attribution of failed replays, third-rank settling, votes, NaN triage."""
+
+from __future__ import annotations
+
+from slurm_guard.records import RankInfo
+from slurm_guard.topology import Topology
+from slurm_guard.verdicts import (
+    ReplayResult,
+    judge_nonfinite,
+    judge_reduced_nonfinite,
+    judge_replays,
+    judge_vote,
+    settle_with_third,
+)
+
+
+def topo(nodes: list[str]) -> Topology:
+    return Topology.build([RankInfo(r, n, "host") for r, n in enumerate(nodes)])
+
+
+def results(t: Topology, bad: set[int]) -> list[ReplayResult]:
+    """A faulty rank computes 99 for everything it touches, the others 1."""
+    out = []
+    for owner in range(t.world_size):
+        rep = t.replayer[owner]
+        out.append(
+            ReplayResult(
+                owner, rep, 99 if owner in bad else 1, 1, 99 if rep in bad else 1, 1
+            )
+        )
+    return out
+
+
+def test_ring_pairs_every_rank_with_another_node() -> None:
+    for nodes in (["a", "b", "c"], ["a", "a", "b", "b", "c", "c"], ["a", "b", "c", "d"]):
+        t = topo(nodes)
+        assert sorted(t.replayer) == list(range(len(nodes)))  # a permutation
+        assert all(t.node_of(o) != t.node_of(r) for o, r in enumerate(t.replayer))
+
+
+def test_single_node_rings_over_ranks() -> None:
+    t = topo(["a", "a", "a"])
+    assert all(o != r for o, r in enumerate(t.replayer))
+    assert t.third_rank(0, t.replayer[0]) not in (0, t.replayer[0], None)
+
+
+def test_persistent_fault_is_attributed_to_the_common_rank() -> None:
+    for nodes in (["a", "b", "c"], ["a", "b", "c", "d"], ["a", "a", "a"]):
+        t = topo(nodes)
+        j = judge_replays(results(t, {1}), t)
+        assert j.finding is not None and j.finding.verdict == "sdc"
+        assert j.finding.suspect_ranks == (1,)
+
+
+def test_two_nodes_are_ambiguous() -> None:
+    t = topo(["a", "b"])
+    j = judge_replays(results(t, {1}), t)
+    assert j.finding is not None and j.finding.verdict == "ambiguous"
+
+
+def test_node_wide_fault_is_attributed_to_the_node() -> None:
+    t = topo(["a", "a", "b", "b", "c", "c"])
+    j = judge_replays(results(t, {2, 3}), t)
+    assert j.finding is not None and j.finding.verdict == "sdc"
+    assert set(j.finding.suspect_ranks) == {2, 3}
+
+
+def test_single_failure_asks_a_third_rank_and_majority_decides() -> None:
+    t = topo(["a", "b", "c"])
+    res = [ReplayResult(o, t.replayer[o], 1, 1, 1, 1) for o in range(3)]
+    res[0] = ReplayResult(0, t.replayer[0], 5, 1, 1, 1)  # owner 0 computed something else once
+    j = judge_replays(res, t)
+    assert j.finding is None and j.settle == res[0]
+    third = t.third_rank(0, t.replayer[0])
+    assert third is not None
+    assert settle_with_third(res[0], third, 1, 1).suspect_ranks == (0,)
+    assert settle_with_third(res[0], third, 5, 1).suspect_ranks == (t.replayer[0],)
+    assert settle_with_third(res[0], third, 7, 7).verdict == "ambiguous"
+
+
+def test_all_passing_is_no_finding() -> None:
+    t = topo(["a", "b", "c"])
+    assert judge_replays(results(t, set()), t).finding is None
+
+
+def test_vote_majority_and_no_majority() -> None:
+    assert judge_vote([1, 1, 1]) is None
+    f = judge_vote([1, 2, 1, 1])
+    assert f is not None and f.verdict == "sdc" and f.suspect_ranks == (1,)
+    f = judge_vote([1, 2])
+    assert f is not None and f.verdict == "ambiguous"
+    f = judge_vote([1, 1, 2, 2])
+    assert f is not None and f.verdict == "ambiguous"
+
+
+def test_nonfinite_reproduced_is_numerical_else_sdc() -> None:
+    assert judge_nonfinite([2], {2: True}, "finite_local").verdict == "numerical"
+    f = judge_nonfinite([2], {2: False}, "finite_local")
+    assert f.verdict == "sdc" and f.suspect_ranks == (2,)
+
+
+def test_reduced_nonfinite_everywhere_is_ambiguous_on_a_minority_sdc() -> None:
+    assert judge_reduced_nonfinite([False, False, False]) is None
+    f = judge_reduced_nonfinite([False, True, False])
+    assert f is not None and f.verdict == "sdc" and f.suspect_ranks == (1,)
+    f = judge_reduced_nonfinite([True, True, True])
+    assert f is not None and f.verdict == "ambiguous"
