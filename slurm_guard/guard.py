@@ -50,12 +50,19 @@ RUN_SCHEMA = 1
 
 
 def check_run_dir(path: Path) -> None:
-    if not path.exists():
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as exc:
+        raise GuardError(
+            f"run directory {path} cannot be accessed ({exc.strerror}); every rank and the "
+            "controller must be able to read and write it"
+        ) from None
+    if not exists:
         raise GuardError(
             f"run directory {path} does not exist; create it on a filesystem shared by all "
             "nodes (not node-local disk) and pass its path"
         )
-    if not path.is_dir():
+    if not is_dir:
         raise GuardError(f"run directory {path} is not a directory")
     probe = path / f".write-test-{os.getpid()}"
     try:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,8 +20,14 @@ from slurm_guard.replay import Captured, pack, unpack
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"replay_every": 0}, {"vote_every": -1}, {"replay_every": 2.5}, {"seed": -3},
-     {"on_numerical": "ignore"}, {"replay_every": True}],
+    [
+        {"replay_every": 0},
+        {"vote_every": -1},
+        {"replay_every": 2.5},
+        {"seed": -3},
+        {"on_numerical": "ignore"},
+        {"replay_every": True},
+    ],
 )
 def test_config_out_of_range(kwargs: dict[str, object]) -> None:
     with pytest.raises(sg.ConfigError, match="GuardConfig"):
@@ -37,12 +45,13 @@ def test_missing_run_dir(tmp_path: Path) -> None:
         check_run_dir(tmp_path / "nope")
 
 
-def test_read_only_run_dir(tmp_path: Path) -> None:
+def test_read_only_run_dir() -> None:
     """As an unprivileged user (root writes anywhere), in a child process."""
-    ro = tmp_path / "ro"
+    parent = Path(tempfile.mkdtemp())
+    parent.chmod(0o755)
+    ro = parent / "ro"
     ro.mkdir()
     ro.chmod(0o555)
-    tmp_path.chmod(0o755)
     code = (
         "import os, sys\n"
         "from slurm_guard.guard import check_run_dir\n"
@@ -54,29 +63,37 @@ def test_read_only_run_dir(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode != 0
     assert "not writable" in out.stderr
+    shutil.rmtree(parent)
 
 
 def test_fault_spec_parsing() -> None:
     faults = parse_faults("kind=grad-scale,node=node2,step=12,persistent=1; kind=nan,rank=0,step=3")
     assert faults[0] == sg.Fault("grad-scale", node="node2", step=12, persistent=True)
     assert faults[1] == sg.Fault("nan", rank=0, step=3)
-    for bad, words in [("kind=zap,rank=1,step=1", "unknown fault kind"),
-                       ("kind=nan,step=1", "exactly one of rank"),
-                       ("kind=nan,rank=x,step=1", "not a number"),
-                       ("kind=nan,rank", "not key=value"),
-                       ("kind=nan,rank=1", "needs at least")]:
+    for bad, words in [
+        ("kind=zap,rank=1,step=1", "unknown fault kind"),
+        ("kind=nan,step=1", "exactly one of rank"),
+        ("kind=nan,rank=x,step=1", "not a number"),
+        ("kind=nan,rank", "not key=value"),
+        ("kind=nan,rank=1", "needs at least"),
+    ]:
         with pytest.raises(sg.GuardError, match=words):
             parse_faults(bad)
 
 
 def test_batch_travels_bit_for_bit() -> None:
-    batch = {"x": torch.randn(3, 4), "meta": [torch.arange(5), (torch.tensor([True]), 7, "s")],
-             "half": torch.randn(2).bfloat16(), "empty": torch.empty(0, 3)}
+    batch = {
+        "x": torch.randn(3, 4),
+        "meta": [torch.arange(5), (torch.tensor([True]), 7, "s")],
+        "half": torch.randn(2).bfloat16(),
+        "empty": torch.empty(0, 3),
+    }
     cap = Captured(batch=batch, cpu_rng=torch.get_rng_state(), cuda_rng=None)
     back = unpack(pack(cap), torch.device("cpu"))
     assert torch.equal(back.cpu_rng, cap.cpu_rng)
     assert torch.equal(back.batch["x"], batch["x"])
-    assert torch.equal(back.batch["half"], batch["half"]) and back.batch["half"].dtype == torch.bfloat16
+    assert torch.equal(back.batch["half"], batch["half"])
+    assert back.batch["half"].dtype == torch.bfloat16
     assert torch.equal(back.batch["meta"][0], batch["meta"][0])
     assert back.batch["meta"][1][1:] == (7, "s") and isinstance(back.batch["meta"][1], tuple)
     assert back.batch["empty"].shape == (0, 3)

@@ -24,9 +24,7 @@ def results(t: Topology, bad: set[int]) -> list[ReplayResult]:
     for owner in range(t.world_size):
         rep = t.replayer[owner]
         out.append(
-            ReplayResult(
-                owner, rep, 99 if owner in bad else 1, 1, 99 if rep in bad else 1, 1
-            )
+            ReplayResult(owner, rep, 99 if owner in bad else 1, 1, 99 if rep in bad else 1, 1)
         )
     return out
 

@@ -1,0 +1,354 @@
+"""Launching guarded DDP training on Slurm: submitit submission and per-task process-group set-up.
+
+Two halves that meet inside the job:
+
+* `launch(train_fn, ...)` submits `train_fn` through submitit as one Slurm job: one task per GPU
+  (one per node on CPU), `--requeue`, and the job comment `slurm-guard:run_dir=<abs path>` that
+  the controller uses to find the run directory from the job alone (EpilogSlurmctld sees neither
+  the job's environment nor its files). A job the controller requeues runs the very same
+  pickled call again; the training function resumes through `Guard.resume()`.
+* `init_distributed_from_slurm()` runs in every task and builds `torch.distributed` from what
+  Slurm says: rank and world size from `SLURM_PROCID`/`SLURM_NTASKS`, the rendezvous host from
+  the first node's `NodeAddr` (node names need not resolve as host names; on many clusters and
+  on the local test cluster they do not), a port derived from the job id, NCCL on GPUs, gloo on
+  CPUs.
+
+The pure parts (environment -> task, job id -> port, run dir checks) are separate functions so
+that they are tested without Slurm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slurm_guard.controller.intake import COMMENT_KEY
+from slurm_guard.errors import GuardError
+from slurm_guard.slurm_parsers import expand_hostlist
+
+if TYPE_CHECKING:
+    from slurm_guard.slurm_client import SlurmClient
+
+logger = logging.getLogger(__name__)
+
+RUN_DIR_ENV = "SLURM_GUARD_RUN_DIR"
+"""Exported into every task by `launch()` and the sbatch template: the run directory."""
+PORT_ENV = "SLURM_GUARD_MASTER_PORT"
+"""Overrides the derived rendezvous port (a site with a firewall-approved range sets it)."""
+PORT_BASE = 15000
+PORT_SPAN = 5000
+"""Derived ports lie in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's ephemeral range
+(32768+), so an outgoing connection of another process cannot be holding the port."""
+DEFAULT_INIT_TIMEOUT = datetime.timedelta(minutes=10)
+
+# The comment is printed unquoted by `scontrol show -o job` and split on ',' by the
+# controller; #SBATCH directives cannot quote and treat '#' as a comment. So the run directory
+# may contain neither whitespace, ',', quotes, '\\' nor '#'. Everything else is quoted properly.
+_RUN_DIR_FORBIDDEN = re.compile(r"[\s,'\"\\#]")
+
+
+class LaunchError(GuardError):
+    """The job cannot be launched or the task cannot join the process group; says what to do."""
+
+
+@dataclass(frozen=True)
+class SlurmTask:
+    """One Slurm task's place in the job, as Slurm's environment describes it.
+
+    Attributes:
+        rank: global rank (`SLURM_PROCID`).
+        world_size: number of tasks in the step (`SLURM_NTASKS`).
+        local_rank: rank on this node (`SLURM_LOCALID`): the GPU index to use.
+        node_rank: index of this node in the step (`SLURM_NODEID`).
+        nodes: the step's node names, in Slurm's order; rank 0 runs on `nodes[0]`.
+        job_id: `SLURM_JOB_ID`.
+        restart_count: `SLURM_RESTART_COUNT` (unset, so 0, on a job's first run).
+        node: this task's node name (`SLURMD_NODENAME`).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+    nodes: tuple[str, ...]
+    job_id: str
+    restart_count: int
+    node: str
+
+    @property
+    def first_node(self) -> str:
+        return self.nodes[0]
+
+
+def _env_int(env: Mapping[str, str], names: Sequence[str], what: str) -> int:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(str(value))
+            except ValueError:
+                raise LaunchError(f"{name}={value!r} is not an integer ({what})") from None
+    raise LaunchError(
+        f"{names[0]} is not set: this is not a Slurm task. Run the script under `srun` (or "
+        "through slurm_guard.launch), or start it with torchrun outside Slurm"
+    )
+
+
+def task_from_env(env: Mapping[str, str] | None = None) -> SlurmTask:
+    """Read this task's place in the job from Slurm's environment variables.
+
+    Step variables (`SLURM_STEP_*`) win over job variables: inside `srun` they describe the
+    step, which may use fewer nodes than the allocation.
+    """
+    e = os.environ if env is None else env
+    rank = _env_int(e, ("SLURM_PROCID",), "global rank")
+    world = _env_int(e, ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NPROCS"), "world size")
+    local = _env_int(e, ("SLURM_LOCALID",), "rank on the node")
+    node_rank = _env_int(e, ("SLURM_NODEID",), "node index")
+    nodelist = e.get("SLURM_STEP_NODELIST") or e.get("SLURM_JOB_NODELIST") or ""
+    nodes = tuple(expand_hostlist(nodelist))
+    if not nodes:
+        raise LaunchError(
+            "neither SLURM_STEP_NODELIST nor SLURM_JOB_NODELIST is set: cannot find the first "
+            "node for the rendezvous; run under srun"
+        )
+    if not 0 <= rank < world:
+        raise LaunchError(f"SLURM_PROCID={rank} outside 0..SLURM_NTASKS-1 ({world - 1})")
+    job_id = e.get("SLURM_JOB_ID") or e.get("SLURM_JOBID") or ""
+    if not job_id:
+        raise LaunchError("SLURM_JOB_ID is not set: run inside a Slurm job")
+    restart = int(e.get("SLURM_RESTART_COUNT") or 0)
+    node = e.get("SLURMD_NODENAME") or (nodes[node_rank] if node_rank < len(nodes) else "")
+    return SlurmTask(rank, world, local, node_rank, nodes, job_id, restart, node)
+
+
+def port_for_job(job_id: str, restart_count: int = 0) -> int:
+    """The rendezvous port of a job: the same on every task, different between jobs.
+
+    The restart count moves it too, so a requeued run never waits for the previous run's
+    listening socket to be released.
+    """
+    digits = re.sub(r"\D", "", job_id)
+    if not digits:
+        raise LaunchError(f"job id {job_id!r} has no digits to derive a port from")
+    return PORT_BASE + (int(digits) * 7 + restart_count) % PORT_SPAN
+
+
+def rendezvous_address(node: str, client: SlurmClient) -> str:
+    """The first node's `NodeAddr` as Slurm knows it (`scontrol show -o node`).
+
+    Never resolve the node name: Slurm node names are labels, and `NodeAddr` is what slurmd
+    itself is reached at.
+    """
+    address = client.node(node).address
+    if not address or address in ("(null)", "N/A"):
+        raise LaunchError(
+            f"Slurm reports no NodeAddr for {node}; set {PORT_ENV} and MASTER_ADDR yourself "
+            "or fix the node's NodeAddr in slurm.conf"
+        )
+    return address
+
+
+def init_distributed_from_slurm(
+    client: SlurmClient | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: datetime.timedelta = DEFAULT_INIT_TIMEOUT,
+) -> SlurmTask:
+    """Join the job's process group from inside a Slurm task; return the task's description.
+
+    Backend `nccl` (and this task's GPU, by local rank) when CUDA is available, else `gloo`.
+    Also exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for code that reads
+    them. Raises LaunchError with the fix when Slurm's environment is incomplete.
+    """
+    import torch
+    import torch.distributed as dist
+
+    task = task_from_env(env)
+    if dist.is_initialized():
+        return task
+    if client is None:
+        from slurm_guard.slurm_client import default_client
+
+        client = default_client()
+    e = os.environ if env is None else env
+    port = int(e.get(PORT_ENV) or port_for_job(task.job_id, task.restart_count))
+    address = rendezvous_address(task.first_node, client)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(task.local_rank % torch.cuda.device_count())
+    backend = "nccl" if use_cuda else "gloo"
+    os.environ.update(
+        {
+            "RANK": str(task.rank),
+            "WORLD_SIZE": str(task.world_size),
+            "LOCAL_RANK": str(task.local_rank),
+            "MASTER_ADDR": address,
+            "MASTER_PORT": str(port),
+        }
+    )
+    logger.info(
+        "rank %d/%d on %s joins %s at %s:%d",
+        task.rank,
+        task.world_size,
+        task.node,
+        backend,
+        address,
+        port,
+    )
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}:{port}",
+        rank=task.rank,
+        world_size=task.world_size,
+        timeout=timeout,
+    )
+    return task
+
+
+# ------------------------------------------------------------------------- submission
+
+
+def check_run_dir(run_dir: str | os.PathLike[str]) -> Path:
+    """Validate a run directory for the job comment and sbatch directives; return it absolute.
+
+    Raises:
+        LaunchError: the path is relative or holds a character the comment cannot carry.
+    """
+    path = Path(run_dir)
+    if not path.is_absolute():
+        raise LaunchError(
+            f"run directory {str(run_dir)!r} is relative: give an absolute path on storage "
+            "shared by all nodes and the controller (e.g. /shared/runs/my-run)"
+        )
+    bad = _RUN_DIR_FORBIDDEN.search(str(path))
+    if bad is not None or ".." in path.parts:
+        what = repr(bad.group()) if bad is not None else "'..'"
+        raise LaunchError(
+            f"run directory {str(path)!r} contains {what}: the controller reads it from the job "
+            "comment, which cannot carry whitespace, commas, quotes, '\\', '#' or '..'; "
+            "choose a plainer path"
+        )
+    return path
+
+
+def job_comment(run_dir: Path) -> str:
+    """The job comment that tells the controller where the run directory is."""
+    return f"{COMMENT_KEY}{run_dir}"
+
+
+def recovery_lines(run_dir: Path, state_dir: str | None, slurm_guard: str | None = None) -> list[str]:
+    """Batch-script lines that run `slurm-guard recover` when the training step failed.
+
+    Placed right after `srun`; any non-zero status triggers it (with --kill-on-bad-exit the
+    status of a guard stop may be a signal's, not 86), and `recover` does nothing without an
+    undecided alarm. The script then exits with srun's status.
+    """
+    exe = slurm_guard or str(Path(sys.executable).with_name("slurm-guard"))
+    cmd = [exe, "recover", "--run-dir", str(run_dir)]
+    if state_dir is not None:
+        cmd += ["--state-dir", state_dir]
+    return [
+        "sg_rc=$?",
+        f'if [ "$sg_rc" -ne 0 ]; then {shlex.join(cmd)}; fi',
+        'exit "$sg_rc"',
+    ]
+
+
+def launch(
+    train_fn: Callable[..., Any],
+    *args: Any,
+    nodes: int,
+    gpus_per_node: int = 0,
+    run_dir: str | os.PathLike[str],
+    tasks_per_node: int | None = None,
+    folder: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    in_job_recovery: bool = False,
+    state_dir: str | None = None,
+    **slurm_params: Any,
+) -> Any:
+    """Submit `train_fn(*args)` as one guarded DDP job through submitit; return the submitit Job.
+
+    Every task calls `train_fn(*args)`, which should call `init_distributed_from_slurm()` and
+    resume through `Guard.resume()` (see slurm_guard/examples/train.py: `slurm_task`).
+
+    Args:
+        train_fn: an importable function (submitit pickles it by reference).
+        nodes: nodes to allocate; the controller needs >= 3 to attribute a fault to one.
+        gpus_per_node: GPUs per node; one task per GPU. 0 means CPU: one task per node.
+        run_dir: absolute run directory on shared storage (also put into the job comment).
+        tasks_per_node: override the number of tasks per node (e.g. several CPU ranks).
+        folder: submitit's folder for logs and pickles (default: `<run_dir>/submitit`).
+        env: variables exported in the batch script before srun.
+        in_job_recovery: run `slurm-guard recover` after srun fails, as the sbatch template
+            does; leave False where the site's EpilogSlurmctld runs the controller.
+        state_dir: `--state-dir` for the in-job recovery (default: the controller's default).
+        **slurm_params: submitit SlurmExecutor parameters (`partition`, `time`, `mem`,
+            `additional_parameters`, ...).
+
+    Raises:
+        LaunchError: bad run directory or node counts.
+    """
+    import submitit
+
+    path = check_run_dir(run_dir)
+    if nodes < 1 or gpus_per_node < 0:
+        raise LaunchError(f"nodes={nodes}, gpus_per_node={gpus_per_node}: need nodes >= 1")
+    per_node = tasks_per_node or (gpus_per_node if gpus_per_node > 0 else 1)
+    path.mkdir(parents=True, exist_ok=True)
+    setup = [f"export {RUN_DIR_ENV}={shlex.quote(str(path))}"]
+    for key, value in (env or {}).items():
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise LaunchError(f"environment variable name {key!r} is not valid")
+        setup.append(f"export {key}={shlex.quote(value)}")
+    setup += list(slurm_params.pop("setup", []))
+    extra = dict(slurm_params.pop("additional_parameters", {}) or {})
+    extra.setdefault("requeue", True)
+    srun_args = list(slurm_params.pop("srun_args", []) or [])
+    if not any(a.startswith("--kill-on-bad-exit") for a in srun_args):
+        # One crashed rank must end the step, not leave the others in a collective until the
+        # process-group timeout.
+        srun_args.append("--kill-on-bad-exit=1")
+    teardown = list(slurm_params.pop("teardown", []) or [])
+    if in_job_recovery:
+        teardown = recovery_lines(path, state_dir) + teardown
+    executor = submitit.SlurmExecutor(folder=str(folder or path / "submitit"))
+    params: dict[str, Any] = {
+        "nodes": nodes,
+        "ntasks_per_node": per_node,
+        "comment": job_comment(path),
+        "additional_parameters": extra,
+        "setup": setup,
+        "srun_args": srun_args,
+    }
+    if gpus_per_node > 0:
+        params["gpus_per_node"] = gpus_per_node
+    if teardown:
+        params["teardown"] = teardown
+    params.update(slurm_params)
+    executor.update_parameters(**params)
+    job = executor.submit(train_fn, *args)
+    logger.info("submitted job %s (run dir %s)", job.job_id, path)
+    return job
+
+
+__all__ = [
+    "LaunchError",
+    "SlurmTask",
+    "check_run_dir",
+    "init_distributed_from_slurm",
+    "job_comment",
+    "launch",
+    "port_for_job",
+    "recovery_lines",
+    "rendezvous_address",
+    "task_from_env",
+]
