@@ -35,6 +35,7 @@ KINDS = {
     "inf": "set one gradient element to +Inf (backward)",
     "activation": "multiply one output element of the first layer by `factor` (forward)",
     "weight-bitflip": "flip bit `bit` of one weight element after the update (memory)",
+    "allreduce": "turn one averaged gradient element x into x*factor+factor (all-reduce result)",
 }
 BACKWARD_KINDS = ("grad-scale", "grad-bitflip", "nan", "inf")
 
@@ -189,6 +190,20 @@ class FaultInjector:
             return output
 
         return hook
+
+    @property
+    def corrupts_reduction(self) -> bool:
+        return any(f.kind == "allreduce" for f in self.faults)
+
+    def corrupt_reduced(self, reduced: torch.Tensor, bucket_index: int) -> None:
+        """Called by the comm hook on the averaged bucket; corrupts the first bucket only."""
+        if bucket_index != 0:
+            return
+        for fault in self.faults:
+            if fault.kind == "allreduce" and self.active(fault):
+                flat = reduced.view(-1)
+                i = fault.element % flat.numel()
+                flat[i] = flat[i] * fault.factor + fault.factor
 
     def after_update(self) -> None:
         """Memory faults: a one-off flip once, a stuck bit after every update from the onset."""

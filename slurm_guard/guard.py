@@ -28,7 +28,7 @@ from slurm_guard.config import GuardConfig
 from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
 from slurm_guard.faults import FaultInjector, faults_from_env
 from slurm_guard.fingerprint import Fingerprinter, as_hex, as_int
-from slurm_guard.hooks import HookState, guard_comm_hook
+from slurm_guard.hooks import HookState, SignVectors, guard_comm_hook
 from slurm_guard.records import (
     Alarm,
     LedgerEntry,
@@ -131,13 +131,6 @@ class Guard:
         me = local_rank_info(self.rank)
         self.topology = Topology.build(gather_rank_infos(me, self.group, self.comm_device))
         self.fingerprinter = Fingerprinter(self._agree_on_seed())
-        self.hook = HookState(
-            group=self.group,
-            world_size=self.world_size,
-            fingerprinter=self.fingerprinter,
-            param_index={id(p): i for i, p in enumerate(self.params)},
-        )
-        model.register_comm_hook(self.hook, guard_comm_hook)
         problem: GuardError | None = None
         try:
             faults = self.config.faults + faults_from_env()
@@ -146,6 +139,17 @@ class Guard:
         self.injector = FaultInjector(faults, self.rank, me.node, self.module)
         if not self._all_ok(problem is None):
             raise problem or GuardError("another rank rejected the fault injection settings")
+        self.hook = HookState(
+            group=self.group,
+            world_size=self.world_size,
+            fingerprinter=self.fingerprinter,
+            signs=SignVectors(self.fingerprinter.seed),
+            param_index={id(p): i for i, p in enumerate(self.params)},
+            corrupt_reduced=(
+                self.injector.corrupt_reduced if self.injector.corrupts_reduction else None
+            ),
+        )
+        model.register_comm_hook(self.hook, guard_comm_hook)
         self.verifier = Verifier(self)
         self.step_count = 0
         self.last_verified_step: int | None = None

@@ -1,12 +1,19 @@
 """The DDP communication hook: checks on each gradient bucket, in the pass DDP makes anyway.
 
-Per bucket, before the all-reduce: one float64 sum of the local gradients (a sum is non-finite iff
-some element is; float64 cannot overflow on float32/bf16 inputs), and on verification steps the
-exact fingerprint of each parameter's local gradient (the reduction overwrites the buffer). After
-the all-reduce: one float64 sum of the averaged bucket. The sums stay on the device as tensors;
-the guard reads them once per step in its verdict collective, so the hook adds no synchronisation.
+Per bucket, before the all-reduce, a linear sketch s(g) = <g, r> with a random +-1 vector r
+shared by all ranks (the run's seed), accumulated in float64, and the bucket's L1 norm:
+- the sketch is non-finite iff some gradient element is (multiplying by +-1 is exact and a float64
+  sum of float32/bf16 values cannot overflow), so it *is* the finite check;
+- averaging conserves it: the mean over ranks of s(g_local) must equal s(g_averaged) up to the
+  rounding of the reduction, which the L1 norms bound (see `verdicts.conservation_bound`).
+After the all-reduce, the sketch of the averaged bucket. On verification steps also the exact
+fingerprint of each parameter's local gradient (the reduction overwrites the buffer).
+
+The values stay on the device as tensors; the guard reads them once per step in its verdict
+collective, so the hook adds no synchronisation.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +23,25 @@ from torch._C._distributed_c10d import GradBucket  # the class DDP compares agai
 from slurm_guard.fingerprint import Fingerprinter
 
 
+class SignVectors:
+    """The shared random +-1 vector r, grown on demand and cached per device and dtype."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+    def get(self, numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (device, dtype)
+        signs = self._cache.get(key)
+        if signs is None or signs.numel() < numel:
+            size = max(numel, 2 * (signs.numel() if signs is not None else 0))
+            gen = torch.Generator().manual_seed(self.seed ^ 0x5EED)
+            bits = torch.randint(0, 2, (size,), generator=gen, dtype=torch.int8)
+            signs = (bits * 2 - 1).to(device=device, dtype=dtype)
+            self._cache[key] = signs
+        return signs[:numel]
+
+
 @dataclass
 class HookState:
     """Mutable per-step state shared by the guard and its hook."""
@@ -23,18 +49,28 @@ class HookState:
     group: dist.ProcessGroup | None
     world_size: int
     fingerprinter: Fingerprinter
+    signs: SignVectors
     param_index: dict[int, int]  # id(param) -> position in the guard's parameter list
+    corrupt_reduced: Callable[[torch.Tensor, int], None] | None = None  # fault injection
     active: bool = True
     fingerprint_local: bool = False
-    local_sums: list[torch.Tensor] = field(default_factory=list)
-    reduced_sums: list[torch.Tensor] = field(default_factory=list)
+    local_sketches: list[torch.Tensor] = field(default_factory=list)
+    local_l1: list[torch.Tensor] = field(default_factory=list)
+    reduced_sketches: dict[int, torch.Tensor] = field(default_factory=dict)  # by bucket index
     local_fingerprints: dict[int, torch.Tensor] = field(default_factory=dict)
+    largest_bucket: int = 0
 
     def reset(self, *, fingerprint_local: bool) -> None:
         self.fingerprint_local = fingerprint_local
-        self.local_sums = []
-        self.reduced_sums = []
+        self.local_sketches = []
+        self.local_l1 = []
+        self.reduced_sketches = {}
         self.local_fingerprints = {}
+
+
+def _sketch(state: HookState, buffer: torch.Tensor) -> torch.Tensor:
+    signs = state.signs.get(buffer.numel(), buffer.device, buffer.dtype)
+    return (buffer * signs).sum(dtype=torch.float64)
 
 
 # No `from __future__ import annotations` in this module: DDP inspects the hook's signature and
@@ -42,18 +78,24 @@ class HookState:
 def guard_comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     if state.active:
-        state.local_sums.append(buffer.sum(dtype=torch.float64))
+        state.local_sketches.append(_sketch(state, buffer))
+        state.local_l1.append(torch.linalg.vector_norm(buffer, 1, dtype=torch.float64))
+        state.largest_bucket = max(state.largest_bucket, buffer.numel())
         if state.fingerprint_local:
             for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 index = state.param_index[id(param)]
                 state.local_fingerprints[index] = state.fingerprinter.tensor(grad)
     work = dist.all_reduce(buffer, group=state.group, async_op=True)
     assert work is not None
+    index = bucket.index()
 
     def average(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         reduced = fut.value()[0].div_(state.world_size)
         if state.active:
-            state.reduced_sums.append(reduced.sum(dtype=torch.float64))
+            if state.corrupt_reduced is not None:
+                state.corrupt_reduced(reduced, index)
+            # keyed by bucket: callbacks may finish in any order, the total must not depend on it
+            state.reduced_sketches[index] = _sketch(state, reduced)
         return reduced
 
     return work.get_future().then(average)  # type: ignore[no-any-return]

@@ -244,7 +244,9 @@ def job_comment(run_dir: Path) -> str:
     return f"{COMMENT_KEY}{run_dir}"
 
 
-def recovery_lines(run_dir: Path, state_dir: str | None, slurm_guard: str | None = None) -> list[str]:
+def recovery_lines(
+    run_dir: Path, state_dir: str | None, slurm_guard: str | None = None
+) -> list[str]:
     """Batch-script lines that run `slurm-guard recover` when the training step failed.
 
     Placed right after `srun`; any non-zero status triggers it (with --kill-on-bad-exit the
@@ -340,15 +342,103 @@ def launch(
     return job
 
 
+# ------------------------------------------------------------------------- sbatch template
+
+TEMPLATE_NAME = "guarded_ddp.sbatch"
+DEFAULT_STATE_DIR = "/var/lib/slurm-guard"
+_MARKER = re.compile(r"@([A-Z_]+)@")
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
+
+
+def template_path() -> Path:
+    """`sbatch_templates/guarded_ddp.sbatch` of the source tree this package runs from."""
+    return Path(__file__).resolve().parent.parent / "sbatch_templates" / TEMPLATE_NAME
+
+
+def default_train_command(train_args: Sequence[str] = ()) -> list[str]:
+    """The example trainer with this interpreter (no PATH or venv activation needed in the job)."""
+    return [sys.executable, "-m", "slurm_guard.examples.train", *train_args]
+
+
+def render_sbatch(
+    *,
+    run_dir: str | os.PathLike[str],
+    nodes: int,
+    gpus_per_node: int = 0,
+    tasks_per_node: int | None = None,
+    train_command: Sequence[str] | None = None,
+    job_name: str = "guarded-ddp",
+    state_dir: str = DEFAULT_STATE_DIR,
+    slurm_guard: str | None = None,
+    sbatch_options: Mapping[str, str | bool] | None = None,
+    template: str | None = None,
+) -> str:
+    """The guarded DDP batch script for one run (pure: returns text, submits nothing).
+
+    Shell values are quoted with shlex; `#SBATCH` lines cannot be quoted, so the run
+    directory is validated by `check_run_dir` and '%' is doubled in the output file pattern.
+
+    Raises:
+        LaunchError: bad run directory, counts, option names, or a marker left unreplaced.
+    """
+    path = check_run_dir(run_dir)
+    if nodes < 1 or gpus_per_node < 0:
+        raise LaunchError(f"nodes={nodes}, gpus_per_node={gpus_per_node}: need nodes >= 1")
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", job_name):
+        raise LaunchError(f"job name {job_name!r}: use letters, digits, '.', '_', '-'")
+    per_node = tasks_per_node or (gpus_per_node if gpus_per_node > 0 else 1)
+    extra = []
+    for key, value in (sbatch_options or {}).items():
+        if not _SBATCH_KEY.match(key):
+            raise LaunchError(f"sbatch option {key!r}: give the long name without dashes")
+        if value is True:
+            extra.append(f"#SBATCH --{key}")
+        elif re.search(r"[\s'\"\\#]", str(value)):
+            raise LaunchError(f"sbatch option --{key}={value!r}: #SBATCH lines cannot quote")
+        else:
+            extra.append(f"#SBATCH --{key}={value}")
+    command = list(train_command) if train_command else default_train_command()
+    exe = slurm_guard or str(Path(sys.executable).with_name("slurm-guard"))
+    values = {
+        "JOB_NAME": job_name,
+        "NODES": str(nodes),
+        "TASKS_PER_NODE": str(per_node),
+        "GPUS_PER_NODE": str(gpus_per_node),
+        "RUN_DIR_PATTERN": str(path).replace("%", "%%"),
+        "RUN_DIR_PLAIN": str(path),
+        "EXTRA_SBATCH": "\n".join(extra),
+        "RUN_DIR": shlex.quote(str(path)),
+        "STATE_DIR": shlex.quote(state_dir),
+        "TRAIN_COMMAND": shlex.join(command),
+        "SLURM_GUARD": shlex.quote(exe),
+    }
+    text = template if template is not None else template_path().read_text()
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("#SBATCH --gpus-per-node=") and gpus_per_node == 0:
+            continue  # CPU job: asking for 0 GPUs is refused on clusters without GRES
+        if line.strip() == "@EXTRA_SBATCH@" and not extra:
+            continue
+        lines.append(line)
+    rendered = "\n".join(lines) + "\n"
+    unknown = sorted(set(_MARKER.findall(rendered)) - set(values))
+    if unknown:
+        raise LaunchError(f"template has unknown markers {unknown}; known: {sorted(values)}")
+    return _MARKER.sub(lambda m: values[m.group(1)], rendered)
+
+
 __all__ = [
     "LaunchError",
     "SlurmTask",
     "check_run_dir",
+    "default_train_command",
     "init_distributed_from_slurm",
     "job_comment",
     "launch",
     "port_for_job",
     "recovery_lines",
+    "render_sbatch",
+    "template_path",
     "rendezvous_address",
     "task_from_env",
 ]

@@ -6,6 +6,7 @@ verdict without a further round of communication.
 
 from __future__ import annotations
 
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -230,3 +231,73 @@ def judge_vote(fingerprints: list[int], what: str = "weights") -> Finding | None
         f"{what} differ across replicas with no strict majority",
         evidence,
     )
+
+
+def conservation_bound(l1_norms: list[float], unit_roundoff: float, largest_bucket: int) -> float:
+    """How far the averaged sketch may drift from the mean of the local sketches by rounding.
+
+    Each averaged element is fl(fl(sum over ranks of g_ri) / W). Summing W values in the
+    gradient's precision errs by at most (W - 1) u sum_r |g_ri|, dividing by W adds u |result|,
+    so |avg_i - mean_r g_ri| <= u sum_r |g_ri| (to first order). With r_i = +-1 the sketch error
+    is at most u times the sum of the ranks' L1 norms. The float64 sketches add their own
+    summation error, (log2(n) + 1) 2^-53 per L1 norm for the blocked/pairwise sums torch uses.
+    A factor 2 covers the second-order terms.
+    """
+    total = sum(l1_norms)
+    float64_error = (max(largest_bucket, 2).bit_length() + 1) * 2.0**-53 * total * 2
+    return 2.0 * unit_roundoff * total + float64_error
+
+
+def judge_reduction(
+    local_sketches: list[float],
+    local_l1: list[float],
+    reduced_sketch_bits: list[int],
+    bound: float,
+    reduced_fingerprints: list[int] | None = None,
+) -> Finding | None:
+    """The averaged gradients must be identical on every rank and conserve the local sketches.
+
+    A copy that differs on a minority of ranks was corrupted after the reduction on those ranks.
+    A result that is the same everywhere but does not conserve the sketch was computed wrong
+    inside the all-reduce: every replica got it, no other check can see it, and which node
+    produced it cannot be told from here (verdict ambiguous).
+    """
+    world = len(local_sketches)
+    keys = list(zip(reduced_sketch_bits, reduced_fingerprints or [0] * world, strict=True))
+    counts = Counter(keys)
+    majority, count = counts.most_common(1)[0]
+    if len(counts) > 1:
+        odd = tuple(r for r, k in enumerate(keys) if k != majority)
+        evidence = {"reduced_sketch_bits": [f"{b & (2**64 - 1):016x}" for b in reduced_sketch_bits]}
+        if 2 * count > world:
+            return Finding(
+                "reduced_consistency",
+                "sdc",
+                odd,
+                f"averaged gradients on rank(s) {list(odd)} differ from the other replicas' copy",
+                evidence,
+            )
+        return Finding(
+            "reduced_consistency",
+            "ambiguous",
+            tuple(range(world)),
+            "averaged gradients differ across ranks with no strict majority",
+            evidence,
+        )
+    expected = sum(local_sketches) / world
+    actual = _bits_to_float(majority[0])
+    drift = abs(actual - expected)
+    if drift <= bound:
+        return None
+    return Finding(
+        "conservation",
+        "ambiguous",
+        (),
+        f"the all-reduce did not conserve the gradient sketch: mean of local sketches "
+        f"{expected!r}, averaged sketch {actual!r}, drift {drift:.3e} > rounding bound {bound:.3e}",
+        {"expected": expected, "actual": actual, "drift": drift, "bound": bound},
+    )
+
+
+def _bits_to_float(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])

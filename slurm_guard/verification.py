@@ -20,8 +20,10 @@ from slurm_guard.replay import Captured, exchange, recompute
 from slurm_guard.verdicts import (
     Finding,
     ReplayResult,
+    conservation_bound,
     judge_nonfinite,
     judge_reduced_nonfinite,
+    judge_reduction,
     judge_replays,
     judge_vote,
     settle_with_third,
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Row layout of the per-step gather.
+# Row layout of the per-step gather (float64 values travel as their int64 bit patterns).
 (
     LOCAL_NONFINITE,
     REDUCED_NONFINITE,
@@ -42,13 +44,28 @@ logger = logging.getLogger(__name__)
     REPLAY_LOSS,
     REPLAY_GRAD,
     REPLAY_NONFINITE,
-) = range(8)
-ROW = 8
+    LOCAL_SKETCH,
+    LOCAL_L1,
+    REDUCED_SKETCH,
+    REDUCED_GRAD,
+) = range(12)
+ROW = 12
 
 
 def loss_bits(loss: torch.Tensor) -> int:
-    """The exact bit pattern of the loss, widened to float64 (exact for every float type)."""
+    """The exact bit pattern of a scalar, widened to float64 (exact for every float type)."""
     return int(loss.detach().double().reshape(1).view(torch.int64).item())
+
+
+def bits_float(bits: int) -> float:
+    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64).item())
+
+
+def _total(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum per-bucket float64 scalars in a fixed order (bitwise equal on every rank)."""
+    if not values:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(values).sum()
 
 
 class Verifier:
@@ -109,26 +126,45 @@ class Verifier:
         """
         g = self.g
         hook = g.hook
-        zero = torch.zeros((), dtype=torch.float64, device=loss.device)
-        local_sum = torch.stack(hook.local_sums).sum() if hook.local_sums else zero
-        reduced_sum = torch.stack(hook.reduced_sums).sum() if hook.reduced_sums else zero
-        local_bad = not bool(torch.isfinite(local_sum + loss.double()).item())
-        reduced_bad = not bool(torch.isfinite(reduced_sum).item())
+        device = loss.device
+        local_sketch = _total(hook.local_sketches, device)
+        local_l1 = _total(hook.local_l1, device)
+        reduced_parts = [hook.reduced_sketches[i] for i in sorted(hook.reduced_sketches)]
+        reduced_sketch = _total(reduced_parts, device)
+        local_bad = not bool(torch.isfinite(local_sketch + local_l1 + loss.double()).item())
+        reduced_bad = not bool(torch.isfinite(reduced_sketch).item())
 
-        row = [int(local_bad), int(reduced_bad), loss_bits(loss), 0, -1, 0, 0, 0]
+        row = [0] * ROW
+        row[LOCAL_NONFINITE] = int(local_bad)
+        row[REDUCED_NONFINITE] = int(reduced_bad)
+        row[OWN_LOSS] = loss_bits(loss)
+        row[REPLAYED] = -1
+        row[LOCAL_SKETCH] = loss_bits(local_sketch)
+        row[LOCAL_L1] = loss_bits(local_l1)
+        row[REDUCED_SKETCH] = loss_bits(reduced_sketch)
         if verify:
             owner = g.topology.owner_of(g.rank)
             pairs = [(o, g.topology.replayer[o]) for o in range(g.world_size)]
             received = exchange(pairs, captured, g.rank, g.group, g.comm_device)
+            fp = g.fingerprinter
             local = [hook.local_fingerprints.get(i) for i in range(len(g.params))]
             row[OWN_GRAD] = as_int(
-                g.fingerprinter.combine(
-                    fp if fp is not None else g.fingerprinter.tensor(torch.zeros_like(p))
-                    for fp, p in zip(local, g.params, strict=True)
+                fp.combine(
+                    f if f is not None else fp.tensor(torch.zeros_like(p))
+                    for f, p in zip(local, g.params, strict=True)
+                )
+            )
+            row[REDUCED_GRAD] = as_int(
+                fp.combine(
+                    fp.tensor(p.grad if p.grad is not None else torch.zeros_like(p))
+                    for p in g.params
                 )
             )
             replay_loss, replay_grad, replay_bad = self._replay(received[owner])
-            row[REPLAYED:] = [owner, replay_loss, replay_grad, int(replay_bad)]
+            row[REPLAYED] = owner
+            row[REPLAY_LOSS] = replay_loss
+            row[REPLAY_GRAD] = replay_grad
+            row[REPLAY_NONFINITE] = int(replay_bad)
         rows = self._gather(row)
 
         if g.config.finite_check and any(r[LOCAL_NONFINITE] for r in rows):
@@ -137,6 +173,9 @@ class Verifier:
             reduced = judge_reduced_nonfinite([bool(r[REDUCED_NONFINITE]) for r in rows])
             if reduced is not None:
                 return reduced, True
+            reduction = self._judge_reduction(rows, verify)
+            if reduction is not None:
+                return reduction, True
         if not verify:
             return None, False
         finding = self._judge_replays(rows, captured)
@@ -144,6 +183,18 @@ class Verifier:
             g.last_verified_step = step
             self._ledger(step, "replay", True, {"comparisons": g.world_size})
         return finding, finding is not None
+
+    def _judge_reduction(self, rows: list[list[int]], verify: bool) -> Finding | None:
+        g = self.g
+        l1 = [bits_float(r[LOCAL_L1]) for r in rows]
+        unit_roundoff = torch.finfo(g.params[0].dtype).eps / 2
+        return judge_reduction(
+            [bits_float(r[LOCAL_SKETCH]) for r in rows],
+            l1,
+            [r[REDUCED_SKETCH] for r in rows],
+            conservation_bound(l1, unit_roundoff, g.hook.largest_bucket),
+            [r[REDUCED_GRAD] for r in rows] if verify else None,
+        )
 
     def _triage_nonfinite(
         self, step: int, rows: list[list[int]], captured: Captured, verify: bool

@@ -1,0 +1,64 @@
+"""Faults the published three checks miss, and the checks that now catch them (issue 5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from workers import run_scenarios
+
+import slurm_guard as sg
+from slurm_guard.local_launch import run_local
+
+pytestmark = pytest.mark.distributed
+
+NODES = ["node1", "node2", "node3"]
+
+
+def scenario(run_dir: Path, steps: int, **config: Any) -> dict[str, Any]:
+    run_dir.mkdir()
+    return {"run_dir": str(run_dir), "steps": steps, "config": sg.GuardConfig(**config)}
+
+
+def _unchanged(per_rank: list[dict[str, Any]]) -> bool:
+    return all(
+        all(bool((a == b).all()) for a, b in zip(r["before"], r["after"], strict=True))
+        for r in per_rank
+    )
+
+
+def test_wrong_value_inside_the_all_reduce_is_caught_on_that_step(tmp_path: Path) -> None:
+    """Corrupting the averaged result identically on every rank passes replay and vote."""
+    everywhere = tuple(sg.Fault("allreduce", rank=r, step=3, element=7) for r in range(3))
+    one_rank = (sg.Fault("allreduce", rank=2, step=3, element=7),)
+    scenarios = [
+        scenario(tmp_path / "all", 8, replay_every=5, faults=everywhere),
+        scenario(tmp_path / "one", 8, replay_every=5, faults=one_rank),
+    ]
+    outcomes = run_local(run_scenarios, 3, args=(scenarios,), nodes=NODES)
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+
+    everywhere_alarm = outcomes[0].value[0]["alarm"]
+    assert everywhere_alarm["step"] == 3  # not a replay step: caught by the every-step check
+    assert everywhere_alarm["check"] == "conservation"
+    assert everywhere_alarm["verdict"] == "ambiguous"
+    assert everywhere_alarm["evidence"]["drift"] > everywhere_alarm["evidence"]["bound"]
+    assert _unchanged([o.value[0] for o in outcomes])
+
+    one_alarm = outcomes[0].value[1]["alarm"]
+    assert one_alarm["step"] == 3
+    assert one_alarm["check"] == "reduced_consistency"
+    assert one_alarm["verdict"] == "sdc"
+    assert one_alarm["suspect_ranks"] == [2] and one_alarm["suspect_nodes"] == ["node3"]
+    assert _unchanged([o.value[1] for o in outcomes])
+
+
+def test_conservation_bound_is_not_a_magic_constant() -> None:
+    from slurm_guard.verdicts import conservation_bound
+
+    eps32 = torch.finfo(torch.float32).eps / 2
+    small = conservation_bound([1.0, 1.0], eps32, 1000)
+    assert conservation_bound([10.0, 10.0], eps32, 1000) == pytest.approx(10 * small)
+    assert conservation_bound([1.0, 1.0], torch.finfo(torch.bfloat16).eps / 2, 1000) > 1e4 * small
