@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from slurm_guard.faults import Fault
     from slurm_guard.guard import Guard, exit_on_alarm
     from slurm_guard.records import Alarm
+    from slurm_guard.replay import Microbatches, is_replaying
 
 _EXPORTS = {
     "EXIT_SDC": "slurm_guard.errors",
@@ -26,6 +27,8 @@ _EXPORTS = {
     "Guard": "slurm_guard.guard",
     "exit_on_alarm": "slurm_guard.guard",
     "Alarm": "slurm_guard.records",
+    "Microbatches": "slurm_guard.replay",
+    "is_replaying": "slurm_guard.replay",
 }
 
 __all__ = [
@@ -36,8 +39,10 @@ __all__ = [
     "Guard",
     "GuardConfig",
     "GuardError",
+    "Microbatches",
     "SilentDataCorruption",
     "exit_on_alarm",
+    "is_replaying",
 ]
 
 

@@ -166,6 +166,13 @@ def _print_status(view: dict[str, Any]) -> None:
     click.echo(f"checks:              {', '.join(f'{k}={v}' for k, v in checks.items()) or '-'}")
     click.echo(f"last verified step:  {view.get('last_verified_step')}")
     click.echo(f"trusted checkpoint:  step {view.get('trusted_checkpoint')}")
+    for r in view.get("resumes", []):
+        moved = ", ".join(r["quarantined"]) or "-"
+        click.echo(
+            f"resumed:             restart {r['restart_count']} from step "
+            f"{r['resumed_from_step']} after alarm {r['alarm_id']} (moved aside: {moved})"
+        )
+    click.echo(f"latest checkpoint:   step {view.get('latest_checkpoint')}")
     if view["pending"]:
         click.echo(f"pending:             {view['pending'].get('reason')}")
     click.echo("")

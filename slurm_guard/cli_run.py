@@ -26,28 +26,67 @@ def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
 
 
 @click.command("drill")
-@click.option("--local", "local", is_flag=True, help="No Slurm: local processes, dry-run controller.")
-@click.option("--nodes", type=click.IntRange(min=3), default=3, show_default=True,
-              help="Nodes of the drill job (the cluster needs one more, free).")
-@click.option("--steps", type=click.IntRange(min=25), default=30, show_default=True,
-              help="Training steps (the fault starts at step 17).")
-@click.option("--via", type=click.Choice(["submitit", "sbatch"]), default="submitit",
-              show_default=True, help="How the job is submitted (Slurm drill).")
-@click.option("--controller", type=click.Choice(["in-job", "epilog"]), default="in-job",
-              show_default=True,
-              help="Who acts on the alarm: the in-job recovery step, or the site's epilog only.")
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Where the runs go (shared storage for the Slurm drill; default: a new "
-              "temporary directory).")
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=DEFAULT_STATE_DIR, envvar="SLURM_GUARD_STATE_DIR", show_default=True,
-              help="Controller state directory (share the epilog's).")
-@click.option("--timeout", type=float, default=300.0, show_default=True,
-              help="Seconds each stage may wait.")
-@click.option("--keep-drained", is_flag=True,
-              help="Leave the drained node drained (default: return it to service).")
-@click.option("--sbatch", "sbatch_args", multiple=True, metavar="KEY=VALUE",
-              help="Extra sbatch option for the drill jobs, e.g. --sbatch partition=debug.")
+@click.option(
+    "--local", "local", is_flag=True, help="No Slurm: local processes, dry-run controller."
+)
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=3),
+    default=3,
+    show_default=True,
+    help="Nodes of the drill job (the cluster needs one more, free).",
+)
+@click.option(
+    "--steps",
+    type=click.IntRange(min=25),
+    default=30,
+    show_default=True,
+    help="Training steps (the fault starts at step 17).",
+)
+@click.option(
+    "--via",
+    type=click.Choice(["submitit", "sbatch"]),
+    default="submitit",
+    show_default=True,
+    help="How the job is submitted (Slurm drill).",
+)
+@click.option(
+    "--controller",
+    type=click.Choice(["in-job", "epilog"]),
+    default="in-job",
+    show_default=True,
+    help="Who acts on the alarm: the in-job recovery step, or the site's epilog only.",
+)
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Where the runs go (shared storage for the Slurm drill; default: a new "
+    "temporary directory).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=DEFAULT_STATE_DIR,
+    envvar="SLURM_GUARD_STATE_DIR",
+    show_default=True,
+    help="Controller state directory (share the epilog's).",
+)
+@click.option(
+    "--timeout", type=float, default=300.0, show_default=True, help="Seconds each stage may wait."
+)
+@click.option(
+    "--keep-drained",
+    is_flag=True,
+    help="Leave the drained node drained (default: return it to service).",
+)
+@click.option(
+    "--sbatch",
+    "sbatch_args",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Extra sbatch option for the drill jobs, e.g. --sbatch partition=debug.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Also print the report as JSON.")
 def drill_cmd(
     local: bool,
@@ -84,8 +123,9 @@ def drill_cmd(
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         if local:
-            report = run_local_drill(work_dir, nodes=nodes, steps=steps, echo=click.echo,
-                                     timeout=timeout)
+            report = run_local_drill(
+                work_dir, nodes=nodes, steps=steps, echo=click.echo, timeout=timeout
+            )
         else:
             if work_dir is None:
                 raise click.UsageError("the Slurm drill needs --work-dir on shared storage")
@@ -97,41 +137,72 @@ def drill_cmd(
                 state_dir=state_dir,
                 timeout=timeout,
                 keep_drained=keep_drained,
-                sbatch_options=tuple(
-                    (k, str(v)) for k, v in _sbatch_options(sbatch_args).items()
-                ),
+                sbatch_options=tuple((k, str(v)) for k, v in _sbatch_options(sbatch_args).items()),
             )
             report = run_slurm_drill(work_dir, opts, echo=click.echo)
     except DrillError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps({
-            "ok": report.ok,
-            "seconds": report.seconds,
-            "work_dir": str(report.work_dir),
-            "stages": [
-                {"name": s.name, "passed": s.passed, "seconds": s.seconds, "details": s.details}
-                for s in report.stages
-            ],
-        }, indent=2))
+        click.echo(
+            json.dumps(
+                {
+                    "ok": report.ok,
+                    "seconds": report.seconds,
+                    "work_dir": str(report.work_dir),
+                    "stages": [
+                        {
+                            "name": s.name,
+                            "passed": s.passed,
+                            "seconds": s.seconds,
+                            "details": s.details,
+                        }
+                        for s in report.stages
+                    ],
+                },
+                indent=2,
+            )
+        )
     sys.exit(0 if report.ok else 1)
 
 
 @click.command("submit", context_settings={"ignore_unknown_options": True})
-@click.option("--run-dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Absolute run directory on shared storage (created).")
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    required=True,
+    help="Absolute run directory on shared storage (created).",
+)
 @click.option("--nodes", type=click.IntRange(min=1), required=True, help="Nodes to allocate.")
-@click.option("--gpus-per-node", type=click.IntRange(min=0), default=0, show_default=True,
-              help="GPUs per node; one task per GPU (0: CPU, one task per node).")
-@click.option("--tasks-per-node", type=click.IntRange(min=1), default=None,
-              help="Override tasks per node.")
+@click.option(
+    "--gpus-per-node",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="GPUs per node; one task per GPU (0: CPU, one task per node).",
+)
+@click.option(
+    "--tasks-per-node", type=click.IntRange(min=1), default=None, help="Override tasks per node."
+)
 @click.option("--job-name", default="guarded-ddp", show_default=True)
-@click.option("--state-dir", default=str(DEFAULT_STATE_DIR), show_default=True,
-              help="State dir for the in-job recovery ($SLURM_GUARD_STATE_DIR wins in the job).")
-@click.option("--sbatch", "sbatch_args", multiple=True, metavar="KEY=VALUE",
-              help="Extra #SBATCH option, e.g. --sbatch partition=gpu --sbatch time=60.")
-@click.option("--template", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              default=None, help="Template to render (default: sbatch_templates/guarded_ddp.sbatch).")
+@click.option(
+    "--state-dir",
+    default=str(DEFAULT_STATE_DIR),
+    show_default=True,
+    help="State dir for the in-job recovery ($SLURM_GUARD_STATE_DIR wins in the job).",
+)
+@click.option(
+    "--sbatch",
+    "sbatch_args",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Extra #SBATCH option, e.g. --sbatch partition=gpu --sbatch time=60.",
+)
+@click.option(
+    "--template",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Template to render (default: sbatch_templates/guarded_ddp.sbatch).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the batch script; submit nothing.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def submit_cmd(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,6 +32,10 @@ class GuardConfig:
         settle_buckets: run one discarded forward/backward before the first step so DDP's
             gradient buckets have their final layout from the first real step on. Needed for
             bit-exact resume; costs one extra forward/backward per process start.
+        schedule: "fixed" replays every `replay_every`-th step; "random" replays each step with
+            probability 1/replay_every, decided from the run's seed so every rank agrees. Same
+            expected cost, but a one-off fault can no longer hide between predictable
+            verification steps: each step is verified with probability 1/replay_every.
         on_numerical: what a reproducible NaN/Inf (a bad sample or an unstable model, not the
             hardware) does: "stop" raises SilentDataCorruption with verdict "numerical" (the
             controller drains nothing), "skip" skips that update and goes on.
@@ -43,6 +48,7 @@ class GuardConfig:
     faults: tuple[Fault, ...] = field(default_factory=tuple)
     settle_buckets: bool = True
     on_numerical: str = "stop"
+    schedule: str = "fixed"
 
     def __post_init__(self) -> None:
         for name in ("replay_every", "vote_every"):
@@ -65,10 +71,19 @@ class GuardConfig:
                 f"GuardConfig.on_numerical={self.on_numerical!r}: must be 'stop' (raise, no "
                 "drain) or 'skip' (skip the update and go on)"
             )
+        if self.schedule not in ("fixed", "random"):
+            raise ConfigError(
+                f"GuardConfig.schedule={self.schedule!r}: must be 'fixed' or 'random'"
+            )
         object.__setattr__(self, "faults", tuple(self.faults))
 
-    def is_replay_step(self, step: int) -> bool:
-        return step % self.replay_every == 0
+    def is_replay_step(self, step: int, seed: int = 0) -> bool:
+        if self.schedule == "fixed":
+            return step % self.replay_every == 0
+        # A keyed hash of the step: identical on every rank, unpredictable without the seed.
+        digest = hashlib.blake2b(step.to_bytes(8, "little"), key=seed.to_bytes(8, "little"))
+        draw = int.from_bytes(digest.digest()[:8], "little")
+        return draw % self.replay_every == 0
 
     def is_vote_step(self, step: int) -> bool:
         return (step + 1) % self.vote_every == 0
@@ -81,5 +96,6 @@ class GuardConfig:
             "finite_check": self.finite_check,
             "settle_buckets": self.settle_buckets,
             "on_numerical": self.on_numerical,
+            "schedule": self.schedule,
             "faults": [f.describe() for f in self.faults],
         }

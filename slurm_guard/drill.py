@@ -81,7 +81,8 @@ class _Recorder:
         self.echo = echo
 
     @contextmanager
-    def stage(self, name: str) -> Iterator[list[str]]:
+    def stage(self, name: str, seconds: float | None = None) -> Iterator[list[str]]:
+        """A stage; `seconds` replaces the measured time when the work ran earlier."""
         details: list[str] = []
         began = time.monotonic()
         passed = False
@@ -93,7 +94,8 @@ class _Recorder:
         except (GuardError, OSError, TimeoutError) as exc:
             details.append(f"FAILED: {type(exc).__name__}: {exc}")
         finally:
-            stage = Stage(name, passed, time.monotonic() - began, details)
+            took = time.monotonic() - began if seconds is None else seconds
+            stage = Stage(name, passed, took, details)
             self.report.stages.append(stage)
             number = len(self.report.stages)
             mark = "PASS" if passed else "FAIL"
@@ -192,8 +194,7 @@ class _SimulatedSlurm:
             held=False,
         )
         self._nodes = {
-            n: NodeInfo(n, frozenset({"IDLE"}), None, None, "127.0.0.1", "localhost")
-            for n in nodes
+            n: NodeInfo(n, frozenset({"IDLE"}), None, None, "127.0.0.1", "localhost") for n in nodes
         }
 
     def job(self, job_id: str) -> Any:
@@ -294,7 +295,10 @@ def run_local_drill(
             timeout=timeout,
         )
         spawn_s = time.monotonic() - spawn
-        with rec.stage("clean run (no fault)") as d:
+        times = [
+            o.value[i]["seconds"] if o.status == "ok" else 0.0 for o in outcomes[:1] for i in (0, 1)
+        ] or [0.0, 0.0]
+        with rec.stage("clean run (no fault)", spawn_s - times[1]) as d:
             per_rank = _ranks_ok(outcomes, "clean and faulty runs")
             first = per_rank[0][0]
             check(first["alarm"] is None, f"the clean run raised an alarm: {first['alarm']}")
@@ -306,7 +310,7 @@ def run_local_drill(
                 f"start); final weights sha256 {_short(result['weight_sha256'])}"
             )
             report.facts["clean_sha256"] = result["weight_sha256"]
-        with rec.stage("guard stops the faulty run") as d:
+        with rec.stage("guard stops the faulty run", times[1]) as d:
             runs = [r[1] for r in per_rank]
             alarm = runs[0]["alarm"]
             check(alarm is not None, "the faulty run finished without an alarm")
@@ -326,9 +330,7 @@ def run_local_drill(
             report.facts["alarm"] = alarm
         with rec.stage("controller decision (dry run)") as d:
             store = StateStore(work / "controller-state")
-            engine = Engine(
-                _SimulatedSlurm(LOCAL_JOB_ID, names), store, Policy(), dry_run=True
-            )  # type: ignore[arg-type]
+            engine = Engine(_SimulatedSlurm(LOCAL_JOB_ID, names), store, Policy(), dry_run=True)  # type: ignore[arg-type]
             job_report = engine.process_job(LOCAL_JOB_ID, faulty_dir, allocation=tuple(names))
             decision = job_report.decisions.get(alarm["alarm_id"])
             check(decision is not None, f"no decision for the alarm: {job_report.lines()}")
@@ -338,7 +340,10 @@ def run_local_drill(
             check(len(drains) == 1, f"drains {drains}, expected exactly one")
             check(drains[0].startswith(f"would drain node2 {REASON_PREFIX}"), drains[0])
             check(
-                any(a.startswith(f"would exclude {LOCAL_JOB_ID} 0 node2") for a in job_report.actions),
+                any(
+                    a.startswith(f"would exclude {LOCAL_JOB_ID} 0 node2")
+                    for a in job_report.actions
+                ),
                 f"no exclusion of node2 in {job_report.actions}",
             )
             d.append(f"decision: {decision[1]}")
@@ -370,8 +375,10 @@ def run_local_drill(
             check(result["final_step"] == steps, f"stopped at step {result['final_step']}")
             check("node2" not in result["nodes"], f"ran on {result['nodes']}")
             on_disk = read_result(faulty_dir)
-            check(on_disk is not None and on_disk["weight_sha256"] == result["weight_sha256"],
-                  "result.json differs from the ranks' result")
+            check(
+                on_disk is not None and on_disk["weight_sha256"] == result["weight_sha256"],
+                "result.json differs from the ranks' result",
+            )
             d.append(
                 f"resumed from checkpoint step {expected} (the newest saved before the last "
                 f"verified step {alarm['last_verified_step']}), finished step {steps}"
@@ -421,9 +428,7 @@ def _usable(node: Any) -> bool:
     return not (node.drained or node.failed or node.down) and node.responding and not node.reason
 
 
-def _submit(
-    opts: SlurmDrillOptions, settings: Any, run_dir: Path, client: Any
-) -> str:
+def _submit(opts: SlurmDrillOptions, settings: Any, run_dir: Path, client: Any) -> str:
     from slurm_guard.examples.train import slurm_task
     from slurm_guard.launch import default_train_command, launch, render_sbatch
 
@@ -452,6 +457,7 @@ def _submit(
         state_dir=str(opts.state_dir),
         sbatch_options={"time": "30", **dict(opts.sbatch_options)},
     )
+    run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "job.sbatch"
     path.write_text(script)
     return str(client.submit(path))
@@ -530,14 +536,21 @@ def run_slurm_drill(
             d.append(f"usable nodes: {', '.join(usable)}")
         with rec.stage(f"clean run via {opts.via}") as d:
             job = _submit(opts, clean, clean_dir, client)
-            info = poll(lambda: _job_done(client, job, clean_dir), opts.timeout, f"job {job} to end")
+            info = poll(
+                lambda: _job_done(client, job, clean_dir), opts.timeout, f"job {job} to end"
+            )
             result = read_result(clean_dir)
-            check(result is not None, f"job {job} ended ({getattr(info, 'state', info)}) "
-                  f"without {clean_dir}/result.json; see {clean_dir} for its logs")
+            check(
+                result is not None,
+                f"job {job} ended ({getattr(info, 'state', info)}) "
+                f"without {clean_dir}/result.json; see {clean_dir} for its logs",
+            )
             assert result is not None
             check(result["final_step"] == opts.steps, f"stopped at {result['final_step']}")
-            d.append(f"job {job} on {','.join(result['nodes'])}: {opts.steps} steps, weights "
-                     f"sha256 {_short(result['weight_sha256'])}")
+            d.append(
+                f"job {job} on {','.join(result['nodes'])}: {opts.steps} steps, weights "
+                f"sha256 {_short(result['weight_sha256'])}"
+            )
             report.facts["clean"] = result
         with rec.stage("guard stops the faulty run") as d:
             job = _submit(opts, faulty, faulty_dir, client)
@@ -550,30 +563,40 @@ def run_slurm_drill(
             fault_node = str(read_json_file(faulty_dir / FAULT_FILE)["spec"]).split("node=")[1]
             fault_node = fault_node.split(",")[0]
             check(alarm.verdict == "sdc", f"verdict {alarm.verdict}")
-            check(list(alarm.suspect_nodes) == [fault_node],
-                  f"suspects {alarm.suspect_nodes}, fault injected on {fault_node}")
+            check(
+                list(alarm.suspect_nodes) == [fault_node],
+                f"suspects {alarm.suspect_nodes}, fault injected on {fault_node}",
+            )
             check(alarm.job_id == job, f"alarm names job {alarm.job_id}")
             d.append(alarm.message)
-            d.append(f"fault injected on {fault_node}; suspects {','.join(alarm.suspect_nodes)}; "
-                     f"trusted checkpoint {alarm.trusted_checkpoint}")
+            d.append(
+                f"fault injected on {fault_node}; suspects {','.join(alarm.suspect_nodes)}; "
+                f"trusted checkpoint {alarm.trusted_checkpoint}"
+            )
             report.facts.update(alarm=alarm.to_json(), fault_node=fault_node)
         with rec.stage(f"controller ({opts.controller}) drains exactly {fault_node}") as d:
             reason = poll(
-                lambda: (client.node(fault_node).reason or "").startswith(REASON_PREFIX)
-                and client.node(fault_node).reason,
+                lambda: (
+                    (client.node(fault_node).reason or "").startswith(REASON_PREFIX)
+                    and client.node(fault_node).reason
+                ),
                 opts.timeout,
                 f"{fault_node} drained by slurm-guard",
             )
-            check(f"job {job}" in reason and f"alarm {alarm.alarm_id}" in reason,
-                  f"reason {reason!r} does not name the job and the alarm")
+            check(
+                f"job {job}" in reason and f"alarm {alarm.alarm_id}" in reason,
+                f"reason {reason!r} does not name the job and the alarm",
+            )
             after = {n.name: n.reason for n in client.nodes()}
             others = [
-                n for n, r in after.items()
+                n
+                for n, r in after.items()
                 if n != fault_node and (r or "").startswith(REASON_PREFIX) and r != before.get(n)
             ]
             check(not others, f"also drained: {others}")
             d.append(f"{fault_node}: {reason}")
         with rec.stage(f"job comes back without {fault_node}") as d:
+
             def rerunning() -> Any:
                 i = client.job(job)
                 if i is not None and i.restart_count >= 1 and i.state in ("RUNNING", "COMPLETED"):
@@ -588,24 +611,30 @@ def run_slurm_drill(
             stop = next((e for e in events if e["event"] == "alarm"), None)
             check(stop is not None, "no alarm event in train-events.jsonl")
             assert stop is not None
-            d.append(f"restart {info.restart_count} on {','.join(info.nodes)} "
-                     f"(excluded {','.join(info.excluded_nodes)}); seen RUNNING "
-                     f"{seen - float(stop['time']):.1f} s after the guard stopped the first run")
+            d.append(
+                f"restart {info.restart_count} on {','.join(info.nodes)} "
+                f"(excluded {','.join(info.excluded_nodes)}); seen RUNNING "
+                f"{seen - float(stop['time']):.1f} s after the guard stopped the first run"
+            )
         with rec.stage("requeued run resumes from the trusted checkpoint and finishes") as d:
             poll(lambda: _job_done(client, job, faulty_dir), opts.timeout, f"job {job} to end")
             result = read_result(faulty_dir)
             check(result is not None, f"no {faulty_dir}/result.json; see its slurm-*.out logs")
             assert result is not None
             expected = int(str(alarm.trusted_checkpoint).split("-")[-1])
-            check(result["resumed_from"] == expected,
-                  f"resumed from {result['resumed_from']}, expected {expected}")
+            check(
+                result["resumed_from"] == expected,
+                f"resumed from {result['resumed_from']}, expected {expected}",
+            )
             check(result["final_step"] == opts.steps, f"stopped at {result['final_step']}")
             check(result["restart_count"] >= 1, f"restart count {result['restart_count']}")
             events = read_events(faulty_dir)
             starts = [e for e in events if e["event"] == "start"]
             gap = float(starts[-1]["time"]) - float(stop["time"])
-            d.append(f"resumed from step {expected} on {','.join(result['nodes'])}, finished step "
-                     f"{result['final_step']}; training restarted {gap:.1f} s after the stop")
+            d.append(
+                f"resumed from step {expected} on {','.join(result['nodes'])}, finished step "
+                f"{result['final_step']}; training restarted {gap:.1f} s after the stop"
+            )
             report.facts.update(faulty=result, stop_to_restart_s=gap)
         with rec.stage("final weights bit-identical to the clean run") as d:
             a = report.facts["clean"]["weight_sha256"]
@@ -615,10 +644,13 @@ def run_slurm_drill(
         if not opts.keep_drained:
             with rec.stage(f"return {fault_node} to service (review return)") as d:
                 engine = Engine(client, StateStore(opts.state_dir), Policy.load(opts.state_dir))
-                d.append(engine.return_node(
-                    fault_node, "slurm-guard drill: the fault was injected, hardware is fine",
-                    os.environ.get("USER", "drill"),
-                ))
+                d.append(
+                    engine.return_node(
+                        fault_node,
+                        "slurm-guard drill: the fault was injected, hardware is fine",
+                        os.environ.get("USER", "drill"),
+                    )
+                )
         echo(f"see the history: slurm-guard status {faulty_dir} --state-dir {opts.state_dir}")
     except _StageFailed:
         pass

@@ -38,7 +38,7 @@ from slurm_guard.records import (
     read_json_file,
     read_ledger,
 )
-from slurm_guard.replay import LossFn, capture
+from slurm_guard.replay import LossFn, Microbatches, capture, combined_loss, is_replaying
 from slurm_guard.rundir import RunDir, choose_trusted_checkpoint
 from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.verdicts import Finding
@@ -85,6 +85,9 @@ class Guard:
             step and with the plain module for replays.
         run_dir: a directory on a filesystem shared by every node and by the controller.
         config: what to check and how often.
+        scaler: the GradScaler for mixed precision, if any. The guard scales the loss, steps
+            through the scaler, and treats its overflow skips (non-finite gradients that a
+            replay on another node reproduces) as expected, not as alarms.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class Guard:
         loss_fn: LossFn,
         run_dir: str | os.PathLike[str],
         config: GuardConfig | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise GuardError(
@@ -111,6 +115,7 @@ class Guard:
         self.module: nn.Module = model.module
         self.optimizer = optimizer
         self.loss_fn = loss_fn
+        self.scaler = scaler
         self.group: dist.ProcessGroup | None = model.process_group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -151,10 +156,16 @@ class Guard:
         )
         model.register_comm_hook(self.hook, guard_comm_hook)
         self.verifier = Verifier(self)
+        self._buffer_fingerprint: torch.Tensor | None = None
+        if (
+            getattr(model, "broadcast_buffers", False)
+            and next(self.module.buffers(), None) is not None
+        ):
+            self.module.register_forward_pre_hook(self._snapshot_buffers)
         self.step_count = 0
         self.last_verified_step: int | None = None
         self._settled = not self.config.settle_buckets
-        self._last_vote: tuple[int, int] | None = None  # (step_count, fingerprint)
+        self._voted_at = -1  # step_count right after the last clean vote
         if self.rank == 0:
             self._write_run_file()
         self._barrier()
@@ -214,8 +225,9 @@ class Guard:
         rng = capture(None)
         buffers = [b.detach().clone() for b in self.module.buffers()]
         self.hook.active = False
+        first = batch[0] if isinstance(batch, Microbatches) else batch
         try:
-            self._loss(batch).backward()  # type: ignore[no-untyped-call]
+            self._scaled(self._loss(first)).backward()  # type: ignore[no-untyped-call]
         finally:
             self.hook.active = True
             self.optimizer.zero_grad(set_to_none=True)
@@ -248,27 +260,59 @@ class Guard:
         if not self._settled:
             self._settle_buckets(batch)
         self.injector.step = step
-        verify = self.config.is_replay_step(step) and self.world_size > 1
+        verify = self.config.is_replay_step(step, self.fingerprinter.seed) and self.world_size > 1
         captured = capture(batch)
         self.optimizer.zero_grad(set_to_none=True)
         self.hook.reset(fingerprint_local=verify)
-        loss = self._loss(batch)
-        loss.backward()  # type: ignore[no-untyped-call]
-        finding, skipped = self.verifier.check_step(step, loss.detach(), captured, verify)
+        micro = list(batch) if isinstance(batch, Microbatches) else [batch]
+        losses = []
+        for i, microbatch in enumerate(micro):
+            # accumulate locally, reduce once: DDP's hook (and ours) runs on the last backward
+            last = i == len(micro) - 1
+            with contextlib.nullcontext() if last else self.ddp.no_sync():
+                loss = self._loss(microbatch)
+                self._scaled(loss).backward()  # type: ignore[no-untyped-call]
+            losses.append(loss.detach())
+        step_loss = combined_loss(losses)
+        finding, skipped = self.verifier.check_step(step, step_loss, captured, verify)
         if finding is not None:
             self._alarm(finding, step, update_applied=False)
         if not skipped:
-            self.optimizer.step()
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skips the update itself on an overflow
+                self.scaler.update()
+            else:
+                self.optimizer.step()
             self.injector.after_update()
             if self.config.is_vote_step(step):
                 self._vote(step)
         self.step_count = step + 1
-        return float(loss.detach())
+        return float(sum(float(x) for x in losses) / len(losses))
 
-    def state_tensors(self) -> list[torch.Tensor]:
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def _snapshot_buffers(self, _module: nn.Module, _args: Any) -> None:
+        """Forward pre-hook: fingerprint the buffers as DDP just broadcast them.
+
+        Buffers are replicated only at that moment: the forward pass then updates each rank's
+        running statistics from its own microbatch, so after the update they differ by design.
+        """
+        if not is_replaying():
+            self._buffer_fingerprint = self.fingerprinter.tensors(list(self.module.buffers()))
+
+    def vote_fingerprint(self) -> int:
+        """Parameters and optimizer state now; buffers as broadcast at this step's forward."""
+        parts = [self.fingerprinter.tensors(self.state_tensors(buffers=False))]
+        if self._buffer_fingerprint is not None:
+            parts.append(self._buffer_fingerprint)
+        return as_int(self.fingerprinter.combine(parts))
+
+    def state_tensors(self, buffers: bool = True) -> list[torch.Tensor]:
         """Everything replicas must hold identically: parameters, buffers, optimizer state."""
         out = [t.detach() for t in self.module.parameters()]
-        out += [t.detach() for t in self.module.buffers()]
+        if buffers:
+            out += [t.detach() for t in self.module.buffers()]
         state = self.optimizer.state_dict()["state"]
         for key in sorted(state):
             for name in sorted(state[key]):
@@ -276,28 +320,22 @@ class Guard:
                 out.append(value if isinstance(value, torch.Tensor) else torch.tensor(value))
         return out
 
-    def _vote(self, step: int) -> int:
+    def _vote(self, step: int) -> None:
         """Weight-fingerprint vote on the state after `step`'s update."""
-        if self._last_vote is not None and self._last_vote[0] == self.step_count + 1:
-            return self._last_vote[1]
-        fingerprint, finding = self.verifier.vote(step)
+        finding = self.verifier.vote(step)
         if finding is not None:
             self._alarm(finding, step, update_applied=True)
-        self._last_vote = (step + 1, fingerprint)
-        return fingerprint
+        self._voted_at = step + 1
 
     def save_checkpoint(self) -> Path:
         """Vote, then save atomically into run_dir/checkpoints/step-N (N = completed steps)."""
         step = self.step_count
         if step == 0:
             raise GuardError("save_checkpoint() before the first step: nothing to save yet")
-        if self._last_vote is not None and self._last_vote[0] == step:
-            fingerprint = self._last_vote[1]
-        else:
-            fingerprint, finding = self.verifier.vote(step - 1)
-            if finding is not None:
-                self._alarm(finding, step - 1, update_applied=True)
-            self._last_vote = (step, fingerprint)
+        if self._voted_at != step:
+            self._vote(step - 1)
+        # What a restart can recompute from the saved files alone (buffers as saved).
+        fingerprint = as_hex(self.fingerprinter.tensors(self.state_tensors()))
         stage = ckpt.staging_dir(self.run_dir, step, self.restart_count)
         ok = True
         try:
@@ -319,7 +357,7 @@ class Guard:
                     self.run_dir,
                     stage,
                     step=step,
-                    weight_fingerprint=f"{fingerprint:016x}",
+                    weight_fingerprint=fingerprint,
                     world_size=self.world_size,
                     restart_count=self.restart_count,
                 )
@@ -468,11 +506,7 @@ class Guard:
                 f"checkpoint step-{step} loads but does not reproduce its weight fingerprint "
                 f"on every rank; move {self.run_dir.checkpoint_path(step)} aside and resume again"
             )
-        self._last_vote = (step, as_int_hex(meta.weight_fingerprint))
-
-
-def as_int_hex(text: str) -> int:
-    return int(text, 16)
+        self._voted_at = step
 
 
 @contextlib.contextmanager

@@ -26,6 +26,23 @@ Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 
+class Microbatches(list[Any]):
+    """Gradient accumulation: `guard.step(Microbatches([b1, b2, b3]))` runs the first ones
+    under `no_sync()` and reduces once; replays cover the whole accumulated gradient."""
+
+
+_replaying = False
+
+
+def is_replaying() -> bool:
+    """True while the guard recomputes another rank's step on this rank.
+
+    Forward hooks with side effects outside tensors (counters, logging, caches) should skip
+    them when this is true; buffers are restored by the guard on its own.
+    """
+    return _replaying
+
+
 @dataclass
 class Captured:
     """What an owner keeps of its step so that it can be replayed elsewhere."""
@@ -48,6 +65,8 @@ def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
         if not all(isinstance(k, str) for k in obj):
             raise GuardError("batch dicts must have string keys so the batch can be replayed")
         return {"d": {k: _flatten(v, tensors) for k, v in obj.items()}}
+    if isinstance(obj, Microbatches):
+        return {"m": [_flatten(v, tensors) for v in obj]}
     if isinstance(obj, (list, tuple)):
         return {"l" if isinstance(obj, list) else "u": [_flatten(v, tensors) for v in obj]}
     if obj is None or isinstance(obj, (bool, int, float, str)):
@@ -63,6 +82,8 @@ def _unflatten(spec: Any, tensors: list[torch.Tensor]) -> Any:
         return tensors[spec["t"]]
     if "d" in spec:
         return {k: _unflatten(v, tensors) for k, v in spec["d"].items()}
+    if "m" in spec:
+        return Microbatches(_unflatten(v, tensors) for v in spec["m"])
     if "l" in spec:
         return [_unflatten(v, tensors) for v in spec["l"]]
     if "u" in spec:
@@ -163,25 +184,55 @@ def recompute(
     loss_fn: LossFn,
     captured: Captured,
     params: Sequence[nn.Parameter],
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> ReplayOutput:
-    """Forward and backward of someone else's microbatch, leaving this rank's state untouched."""
+    """Forward and backward of someone else's step, leaving this rank's state untouched.
+
+    Microbatches are replayed in order and their gradients summed the way autograd accumulates
+    them into `.grad` (first assigned, then added), so the result matches bit for bit. `scale`
+    is the GradScaler's `scale` when mixed precision is on: the owner's local gradients were
+    computed from the scaled loss.
+    """
+    global _replaying
     own_cpu_rng = torch.get_rng_state()
     own_cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     saved_buffers = [b.detach().clone() for b in module.buffers()]
+    micro = list(captured.batch) if isinstance(captured.batch, Microbatches) else [captured.batch]
+    losses: list[torch.Tensor] = []
+    grads: list[torch.Tensor] = []
+    _replaying = True
     try:
         torch.set_rng_state(captured.cpu_rng)
         if captured.cuda_rng is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(captured.cuda_rng)
-        loss = loss_fn(module, captured.batch)
-        raw = torch.autograd.grad(loss, list(params), allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, raw, strict=True)]
+        for mb in micro:
+            loss = loss_fn(module, mb)
+            raw = torch.autograd.grad(
+                scale(loss) if scale else loss, list(params), allow_unused=True
+            )
+            step_grads = [
+                torch.zeros_like(p) if g is None else g for p, g in zip(params, raw, strict=True)
+            ]
+            grads = (
+                step_grads if not grads else [a + g for a, g in zip(grads, step_grads, strict=True)]
+            )
+            losses.append(loss.detach())
     finally:
+        _replaying = False
         torch.set_rng_state(own_cpu_rng)
         if own_cuda_rng is not None:
             torch.cuda.set_rng_state(own_cuda_rng)
         with torch.no_grad():
             for buf, saved in zip(module.buffers(), saved_buffers, strict=True):
                 buf.copy_(saved)
+    total_loss = combined_loss(losses)
     total = sum((g.sum(dtype=torch.float64) for g in grads), torch.zeros((), dtype=torch.float64))
-    nonfinite = not bool(torch.isfinite(total + loss.detach().double()).item())
-    return ReplayOutput(loss=loss.detach(), grads=grads, nonfinite=nonfinite)
+    nonfinite = not bool(torch.isfinite(total + total_loss.double()).item())
+    return ReplayOutput(loss=total_loss, grads=grads, nonfinite=nonfinite)
+
+
+def combined_loss(losses: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One value to compare for a step: the loss, or the float64 sum of the microbatch losses."""
+    if len(losses) == 1:
+        return losses[0]
+    return torch.stack([loss.double() for loss in losses]).sum()

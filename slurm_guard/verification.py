@@ -95,7 +95,8 @@ class Verifier:
         """Recompute someone's microbatch here: (loss bits, gradient fingerprint, non-finite)."""
         g = self.g
         with g.injector.replay():
-            out = recompute(g.module, g.loss_fn, owner_capture, g.params)
+            scale = g.scaler.scale if g.scaler is not None else None
+            out = recompute(g.module, g.loss_fn, owner_capture, g.params, scale)
         fingerprint = as_int(g.fingerprinter.combine(g.fingerprinter.tensor(t) for t in out.grads))
         return loss_bits(out.loss), fingerprint, out.nonfinite
 
@@ -209,6 +210,10 @@ class Verifier:
             reproduced = {o: extra[o][2] for o in flagged}
         finding = judge_nonfinite(flagged, reproduced, "finite_local")
         self._ledger(step, "finite_local", False, {"verdict": finding.verdict})
+        if finding.verdict == "numerical" and g.scaler is not None:
+            # a GradScaler overflow: expected; the scaler skips the update and lowers its scale
+            logger.info("step %d: gradient overflow under the GradScaler, update skipped", step)
+            return None, False
         if finding.verdict == "numerical" and g.config.on_numerical == "skip":
             logger.warning("step %d skipped: %s", step, finding.message)
             return None, True
@@ -237,11 +242,11 @@ class Verifier:
         third_loss, third_grad, _ = extra[disputed.owner]
         return settle_with_third(disputed, third, third_loss, third_grad)
 
-    def vote(self, step: int) -> tuple[int, Finding | None]:
+    def vote(self, step: int) -> Finding | None:
         """Fingerprint this replica's whole state and compare it with every other replica's."""
         g = self.g
-        fingerprint = as_int(g.fingerprinter.tensors(g.state_tensors()))
+        fingerprint = g.vote_fingerprint()
         rows = self._gather([fingerprint])
         finding = judge_vote([r[0] for r in rows])
         self._ledger(step, "vote", finding is None, {"fingerprint": f"{fingerprint:016x}"})
-        return fingerprint, finding
+        return finding

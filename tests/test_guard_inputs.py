@@ -102,3 +102,13 @@ def test_batch_travels_bit_for_bit() -> None:
 def test_unsupported_batch_leaf_is_refused() -> None:
     with pytest.raises(sg.GuardError, match="tensors, numbers and strings"):
         pack(Captured(batch={"x": object()}, cpu_rng=torch.get_rng_state(), cuda_rng=None))
+
+
+def test_random_schedule_has_the_same_expected_cost_and_depends_on_the_seed() -> None:
+    config = sg.GuardConfig(replay_every=10, schedule="random")
+    steps = range(20_000)
+    picked = [s for s in steps if config.is_replay_step(s, seed=42)]
+    assert 1800 < len(picked) < 2200  # 1/10 of the steps, give or take 5 sigma
+    assert picked != [s for s in steps if s % 10 == 0]
+    assert picked != [s for s in steps if config.is_replay_step(s, seed=43)]
+    assert picked == [s for s in steps if config.is_replay_step(s, seed=42)]  # every rank agrees

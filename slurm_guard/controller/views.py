@@ -79,6 +79,30 @@ def _job_view(client: SlurmClient | None, job_id: str | None) -> dict[str, Any]:
     }
 
 
+def _resumes(rd: RunDir) -> list[dict[str, Any]]:
+    """Rollbacks the guard carried out after alarms (handled/<alarm_id>.json), oldest first."""
+    out: list[dict[str, Any]] = []
+    if not rd.handled_dir.is_dir():
+        return out
+    for path in sorted(rd.handled_dir.glob("*.json")):
+        try:
+            obj = read_json_file(path)
+        except RecordError:
+            continue
+        if isinstance(obj, dict):
+            out.append(
+                {
+                    "alarm_id": obj.get("alarm_id", path.stem),
+                    "resumed_from_step": obj.get("resumed_from_step"),
+                    "restart_count": obj.get("restart_count"),
+                    "quarantined": obj.get("quarantined", []),
+                    "time": obj.get("time"),
+                }
+            )
+    out.sort(key=lambda r: float(r["time"] or 0))
+    return out
+
+
 def status_view(
     target: str,
     *,
@@ -120,8 +144,11 @@ def status_view(
                 }
             )
         latest = files[-1].alarm if files else None
-        trusted = choose_trusted_checkpoint(rd.checkpoints(), latest)
+        checkpoints = rd.checkpoints()
+        trusted = choose_trusted_checkpoint(checkpoints, latest)
         view["trusted_checkpoint"] = trusted.step if trusted else None
+        view["latest_checkpoint"] = checkpoints[-1].step if checkpoints else None
+        view["resumes"] = _resumes(rd)
     view["alarms"] = alarms
     view["bad_alarm_files"] = bad
     view["job"] = _job_view(client, job_id)

@@ -94,9 +94,10 @@ def state_sha256(tensors: Sequence[torch.Tensor]) -> str:
     """sha256 over the exact bytes of every tensor, in order: equal iff bit-identical."""
     digest = hashlib.sha256()
     for t in tensors:
-        cpu = t.detach().to("cpu").contiguous()
-        digest.update(str((cpu.dtype, tuple(cpu.shape))).encode())
-        digest.update(cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b"")
+        digest.update(str((t.dtype, tuple(t.shape))).encode())
+        # A compact copy, so the storage holds exactly this tensor's bytes (no numpy needed).
+        flat = t.detach().to("cpu").reshape(-1).clone()
+        digest.update(bytes(flat.view(torch.uint8).untyped_storage()))
     return digest.hexdigest()
 
 
