@@ -330,7 +330,7 @@ def run_local_drill(
             report.facts["alarm"] = alarm
         with rec.stage("controller decision (dry run)") as d:
             store = StateStore(work / "controller-state")
-            engine = Engine(_SimulatedSlurm(LOCAL_JOB_ID, names), store, Policy(), dry_run=True)  # type: ignore[arg-type]
+            engine = Engine(_SimulatedSlurm(LOCAL_JOB_ID, names), store, Policy(), dry_run=True)
             job_report = engine.process_job(LOCAL_JOB_ID, faulty_dir, allocation=tuple(names))
             decision = job_report.decisions.get(alarm["alarm_id"])
             check(decision is not None, f"no decision for the alarm: {job_report.lines()}")
@@ -524,7 +524,16 @@ def run_slurm_drill(
     faulty = TrainSettings(run_dir=str(faulty_dir), steps=opts.steps, inject=FAULT_SPEC)
     try:
         with rec.stage("cluster has room for the drill") as d:
-            nodes = client.nodes()
+
+            def enough() -> list[Any] | None:
+                # A node just returned to service shows `idle*` for about a second.
+                found = client.nodes()
+                return found if sum(map(_usable, found)) > opts.nodes else None
+
+            try:
+                nodes = poll(enough, min(opts.timeout, 15.0), "free nodes")
+            except TimeoutError:
+                nodes = client.nodes()
             usable = sorted(n.name for n in nodes if _usable(n))
             check(
                 len(usable) >= opts.nodes + 1,

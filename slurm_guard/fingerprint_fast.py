@@ -23,9 +23,11 @@ levels, d <= 5 up to 2^43 bytes (8 TiB). Total: Pr[false match] <= 2^-64 + (5/P)
 comparison, the bound `fingerprint.py` states. The keys come from the per-run seed.
 
 Implementations, bit-identical by construction (integer arithmetic only; tested):
-- native: a small C kernel (AVX-512 or AVX2 when the compiler targets them, scalar otherwise) built once with
-  the system C compiler (`cc`/`gcc`, or $CC) into a cache directory ($SLURM_GUARD_CACHE, else
-  $XDG_CACHE_HOME/slurm-guard, else ~/.cache/slurm-guard) and loaded with ctypes. It runs on
+- native: a small C kernel (AVX-512 or AVX2 when the compiler targets them, scalar otherwise)
+  built once with the system C compiler ($CC, cc, gcc or clang) into a cache directory
+  ($SLURM_GUARD_CACHE, else $XDG_CACHE_HOME/slurm-guard, else ~/.cache/slurm-guard) and loaded
+  with ctypes. The build is keyed by source, flags and CPU, so a shared home directory never
+  hands one node's -march=native build to a different CPU. It runs on
   contiguous CPU tensors; large tensors are split across `torch.get_num_threads()` threads
   (ctypes releases the GIL during the call).
 - torch: the same function in torch integer ops, used for tensors on other devices (CUDA), when no
@@ -132,8 +134,8 @@ static void nh_block(const uint8_t *p, const uint32_t *k0, const uint32_t *k1, u
 #endif
 }
 
-/* Level-0 tree rows [row_begin, row_end): NH of the row's blocks, split into 16-bit words, hashed
-   with level-0 coefficients. Blocks past the end contribute zero words (the tree's zero padding). */
+/* Level-0 tree rows [row_begin, row_end): NH of the row's blocks, split into 16-bit words,
+   hashed with level-0 coefficients. Blocks past the end contribute zero words (tree padding). */
 int sg_rows(const uint8_t *data, int64_t nbytes, int64_t row_begin, int64_t row_end,
             const uint32_t *keys, const int64_t *coeffs, int64_t *rows) {
     int64_t nblocks = nbytes > 0 ? (nbytes + BLOCK_BYTES - 1) / BLOCK_BYTES : 1;
@@ -270,7 +272,7 @@ _pool_size = 0
 
 
 def cache_dir() -> Path:
-    """Where the compiled kernel lives: $SLURM_GUARD_CACHE, $XDG_CACHE_HOME/slurm-guard, ~/.cache."""
+    """Where the compiled kernel lives ($SLURM_GUARD_CACHE, else the XDG cache directory)."""
     explicit = os.environ.get("SLURM_GUARD_CACHE")
     if explicit:
         return Path(explicit)
@@ -474,7 +476,7 @@ def _native_fingerprint(
         rc = kernel.finish(rows, nrows, coeffs_ptr, tail, 3, out)
     if rc != 0:
         raise RuntimeError(f"native fingerprint kernel failed with code {rc}")
-    return torch.tensor(list(out), dtype=torch.int64)
+    return torch.frombuffer(out, dtype=torch.int64)  # owns `out`: fresh per call
 
 
 def fast_fingerprint(

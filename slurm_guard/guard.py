@@ -157,6 +157,7 @@ class Guard:
         model.register_comm_hook(self.hook, guard_comm_hook)
         self.verifier = Verifier(self)
         self._buffer_fingerprint: torch.Tensor | None = None
+        self._snapshot_due = False
         if (
             getattr(model, "broadcast_buffers", False)
             and next(self.module.buffers(), None) is not None
@@ -262,6 +263,7 @@ class Guard:
         self.injector.step = step
         verify = self.config.is_replay_step(step, self.fingerprinter.seed) and self.world_size > 1
         captured = capture(batch)
+        self._snapshot_due = True
         self.optimizer.zero_grad(set_to_none=True)
         self.hook.reset(fingerprint_local=verify)
         micro = list(batch) if isinstance(batch, Microbatches) else [batch]
@@ -297,9 +299,11 @@ class Guard:
 
         Buffers are replicated only at that moment: the forward pass then updates each rank's
         running statistics from its own microbatch, so after the update they differ by design.
+        Only the step's first forward counts: under no_sync() DDP broadcasts for that one alone.
         """
-        if not is_replaying():
+        if self._snapshot_due and not is_replaying():
             self._buffer_fingerprint = self.fingerprinter.tensors(list(self.module.buffers()))
+            self._snapshot_due = False
 
     def vote_fingerprint(self) -> int:
         """Parameters and optimizer state now; buffers as broadcast at this step's forward."""

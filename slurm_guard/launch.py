@@ -438,7 +438,7 @@ __all__ = [
     "port_for_job",
     "recovery_lines",
     "render_sbatch",
-    "template_path",
     "rendezvous_address",
     "task_from_env",
+    "template_path",
 ]

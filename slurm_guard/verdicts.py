@@ -185,11 +185,24 @@ def judge_nonfinite(flagged: list[int], reproduced: dict[int, bool], check: str)
     )
 
 
-def judge_reduced_nonfinite(flags: list[bool]) -> Finding | None:
-    """Local gradients were finite but the averaged ones are not."""
+def judge_reduced_nonfinite(flags: list[bool], overflow_possible: bool = False) -> Finding | None:
+    """Local gradients were finite but the averaged ones are not.
+
+    Summing finite values can overflow only if some element's sum of magnitudes exceeds the
+    largest finite value, which needs the ranks' L1 norms to add up to at least that much
+    (`overflow_possible`): then it is numerical (a GradScaler finding its level), else a fault.
+    """
     bad = [r for r, f in enumerate(flags) if f]
     if not bad:
         return None
+    if overflow_possible and len(bad) == len(flags):
+        return Finding(
+            "finite_reduced",
+            "numerical",
+            (),
+            "the averaged gradients overflowed; the local gradients are large enough for that",
+            {"nonfinite_ranks": bad},
+        )
     if 2 * len(bad) < len(flags):
         return Finding(
             "finite_reduced",

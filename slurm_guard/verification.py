@@ -171,9 +171,14 @@ class Verifier:
         if g.config.finite_check and any(r[LOCAL_NONFINITE] for r in rows):
             return self._triage_nonfinite(step, rows, captured, verify)
         if g.config.finite_check:
-            reduced = judge_reduced_nonfinite([bool(r[REDUCED_NONFINITE]) for r in rows])
+            l1_total = sum(bits_float(r[LOCAL_L1]) for r in rows)
+            reduced = judge_reduced_nonfinite(
+                [bool(r[REDUCED_NONFINITE]) for r in rows],
+                overflow_possible=l1_total >= torch.finfo(g.params[0].dtype).max,
+            )
             if reduced is not None:
-                return reduced, True
+                self._ledger(step, "finite_reduced", False, {"verdict": reduced.verdict})
+                return self._numerical_outcome(step, reduced)
             reduction = self._judge_reduction(rows, verify)
             if reduction is not None:
                 return reduction, True
@@ -210,6 +215,11 @@ class Verifier:
             reproduced = {o: extra[o][2] for o in flagged}
         finding = judge_nonfinite(flagged, reproduced, "finite_local")
         self._ledger(step, "finite_local", False, {"verdict": finding.verdict})
+        return self._numerical_outcome(step, finding)
+
+    def _numerical_outcome(self, step: int, finding: Finding) -> tuple[Finding | None, bool]:
+        """A numerical (not hardware) finding under a GradScaler or on_numerical='skip'."""
+        g = self.g
         if finding.verdict == "numerical" and g.scaler is not None:
             # a GradScaler overflow: expected; the scaler skips the update and lowers its scale
             logger.info("step %d: gradient overflow under the GradScaler, update skipped", step)

@@ -103,3 +103,25 @@ def test_reduced_nonfinite_everywhere_is_ambiguous_on_a_minority_sdc() -> None:
     assert f is not None and f.verdict == "sdc" and f.suspect_ranks == (1,)
     f = judge_reduced_nonfinite([True, True, True])
     assert f is not None and f.verdict == "ambiguous"
+
+
+def test_reduced_overflow_is_numerical_only_when_magnitudes_allow_it() -> None:
+    f = judge_reduced_nonfinite([True, True, True], overflow_possible=True)
+    assert f is not None and f.verdict == "numerical"
+    f = judge_reduced_nonfinite([True, True, True], overflow_possible=False)
+    assert f is not None and f.verdict == "ambiguous"
+
+
+def test_reduction_consistency_and_conservation() -> None:
+    from slurm_guard.verdicts import judge_reduction
+
+    bits = 4607182418800017408  # 1.0 as float64 bits
+    assert judge_reduction([1.0, 1.0, 1.0], [3.0] * 3, [bits] * 3, bound=1e-6) is None
+    f = judge_reduction([1.0, 1.0, 1.0], [3.0] * 3, [bits, bits + 1, bits], bound=1e-6)
+    assert f is not None and (f.check, f.verdict, f.suspect_ranks) == (
+        "reduced_consistency",
+        "sdc",
+        (1,),
+    )
+    f = judge_reduction([1.0, 1.0, 4.0], [3.0] * 3, [bits] * 3, bound=1e-6)
+    assert f is not None and (f.check, f.verdict) == ("conservation", "ambiguous")

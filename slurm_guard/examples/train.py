@@ -146,7 +146,7 @@ def _all_nodes() -> list[str]:
 
 
 def resolve_inject(spec: str, run_dir: Path) -> str:
-    """Replace `node=@rankN` by a node name, the same one for every start of the run (collective)."""
+    """Replace `node=@rankN` by a node name, the same for every start of the run (collective)."""
     if not _RANK_NODE.search(spec):
         return spec
     nodes = _all_nodes()
