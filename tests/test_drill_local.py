@@ -1,0 +1,37 @@
+"""The README's demo: `slurm-guard drill --local` passes and ends bit-identical to the clean run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from slurm_guard.cli import main
+from slurm_guard.examples.train import read_result
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def test_local_drill_passes_every_stage(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["drill", "--local", "--work-dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    assert "drill PASSED" in result.output
+    report = json.loads(result.output[result.output.index("{\n") :])
+    names = [s["name"] for s in report["stages"]]
+    assert all(s["passed"] for s in report["stages"]), report
+    assert any("bit-identical" in n for n in names)
+    assert any("controller decision" in n for n in names)
+    assert "would drain node2 slurm-guard: job 1001 step 20 check replay" in result.output
+
+    clean, faulty = read_result(tmp_path / "clean"), read_result(tmp_path / "faulty")
+    assert clean is not None and faulty is not None
+    assert faulty["weight_sha256"] == clean["weight_sha256"]
+    assert (faulty["resumed_from"], faulty["final_step"]) == (10, 30)
+    assert "node2" not in faulty["nodes"]
+
+
+def test_drill_refuses_too_few_nodes() -> None:
+    result = CliRunner().invoke(main, ["drill", "--local", "--nodes", "2"])
+    assert result.exit_code == 2 and "--nodes" in result.output

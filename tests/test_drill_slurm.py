@@ -1,0 +1,99 @@
+"""The drill on the real local cluster: 3 nodes of 4, fault on the node of rank 1 (node2).
+
+Once through submitit with the EpilogSlurmctld as the controller, once through the sbatch
+template with its in-job recovery step (in a run directory with shell metacharacters). Both
+must end with weights equal to the clean run, and `slurm-guard status` must tell the story.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from slurm_guard.cli import main
+from slurm_guard.examples.train import read_result
+from slurm_guard.local_cluster import LocalCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+EPILOG_SCRIPT = Path(__file__).resolve().parent.parent / "epilog" / "slurm-guard-epilog.sh"
+
+
+@pytest.fixture
+def cluster(idle_slurm_cluster: LocalCluster) -> Iterator[LocalCluster]:
+    yield idle_slurm_cluster
+    idle_slurm_cluster.write_epilog(None)
+
+
+def drill(work: Path, state: Path, *extra: str) -> str:
+    result = CliRunner().invoke(
+        main,
+        [
+            "drill",
+            "--nodes",
+            "3",
+            "--work-dir",
+            str(work),
+            "--state-dir",
+            str(state),
+            "--timeout",
+            "120",
+            *extra,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "drill PASSED" in result.output
+    return result.output
+
+
+def check_history(work: Path, state: Path) -> None:
+    """`slurm-guard status` on the faulty run: alarm, drain, requeue, resume step, final step."""
+    (faulty,) = work.glob("faulty-*")
+    (clean,) = work.glob("clean-*")
+    a, b = read_result(clean), read_result(faulty)
+    assert a is not None and b is not None and a["weight_sha256"] == b["weight_sha256"]
+    result = CliRunner().invoke(main, ["status", str(faulty), "--state-dir", str(state), "--json"])
+    assert result.exit_code == 0, result.output
+    view = json.loads(result.output)
+    (alarm,) = view["alarms"]
+    assert alarm["suspect_nodes"] == ["node2"] and alarm["decision"] == "act"
+    done = {a["op"] for a in view["controller_actions"] if a["result"] == "done"}
+    assert {"drain", "requeue_hold", "exclude", "release"} <= done
+    assert view["job"]["restart_count"] == 1 and "node2" in view["job"]["excluded_nodes"]
+    (resume,) = view["resumes"]
+    assert resume["resumed_from_step"] == 10 and resume["restart_count"] == 1
+    assert view["latest_checkpoint"] == 30
+    table = CliRunner().invoke(main, ["status", str(faulty), "--state-dir", str(state)]).output
+    for text in (alarm["alarm_id"], "drain", "requeue_hold", "from step 10", "step 30"):
+        assert text in table, table
+
+
+def test_drill_via_submitit_with_the_epilog_as_controller(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    state, work = tmp_path / "state", tmp_path / "work"
+    defaults = tmp_path / "defaults"
+    entry = Path(sys.prefix) / "bin" / "slurm-guard"
+    defaults.write_text(
+        f"SLURM_GUARD={shlex.quote(str(entry))}\nSLURM_GUARD_STATE_DIR={shlex.quote(str(state))}\n"
+        f"SLURM_GUARD_LOG={shlex.quote(str(tmp_path / 'epilog.log'))}\n"
+    )
+    cluster.write_epilog(["env", f"SLURM_GUARD_DEFAULTS={defaults}", "bash", str(EPILOG_SCRIPT)])
+    out = drill(work, state, "--via", "submitit", "--controller", "epilog")
+    assert "controller (epilog) drains exactly node2" in out
+    check_history(work, state)
+
+
+def test_drill_via_sbatch_template_with_in_job_recovery(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    state, work = tmp_path / "state", tmp_path / "we$ird;&(work)"
+    out = drill(work, state, "--via", "sbatch", "--controller", "in-job")
+    assert "controller (in-job) drains exactly node2" in out
+    check_history(work, state)
