@@ -36,6 +36,13 @@ class GuardConfig:
             probability 1/replay_every, decided from the run's seed so every rank agrees. Same
             expected cost, but a one-off fault can no longer hide between predictable
             verification steps: each step is verified with probability 1/replay_every.
+        deterministic: True compares replays bit for bit (loss bits and an exact gradient
+            fingerprint): right on CPU and with deterministic GPU kernels. False compares the loss
+            and a per-parameter gradient sketch within a tolerance calibrated from the run's own
+            clean replays, for default (non-deterministic) GPU kernels.
+        calibration_replays: with deterministic=False, the first this many verification steps
+            calibrate the tolerance (checked against `initial_tolerance` meanwhile); after them
+            the tolerance is `tolerance_margin` x the largest discrepancy they showed.
         on_numerical: what a reproducible NaN/Inf (a bad sample or an unstable model, not the
             hardware) does: "stop" raises SilentDataCorruption with verdict "numerical" (the
             controller drains nothing), "skip" skips that update and goes on.
@@ -49,6 +56,10 @@ class GuardConfig:
     settle_buckets: bool = True
     on_numerical: str = "stop"
     schedule: str = "fixed"
+    deterministic: bool = True
+    calibration_replays: int = 5
+    tolerance_margin: float = 8.0
+    initial_tolerance: float = 1e-3
 
     def __post_init__(self) -> None:
         for name in ("replay_every", "vote_every"):
@@ -70,6 +81,12 @@ class GuardConfig:
             raise ConfigError(
                 f"GuardConfig.on_numerical={self.on_numerical!r}: must be 'stop' (raise, no "
                 "drain) or 'skip' (skip the update and go on)"
+            )
+        if not 1 <= self.calibration_replays <= 10_000:
+            raise ConfigError("GuardConfig.calibration_replays must be from 1 to 10000")
+        if not (self.tolerance_margin >= 1.0 and 0.0 < self.initial_tolerance < 1.0):
+            raise ConfigError(
+                "GuardConfig: tolerance_margin must be >= 1 and initial_tolerance in (0, 1)"
             )
         if self.schedule not in ("fixed", "random"):
             raise ConfigError(
@@ -97,5 +114,6 @@ class GuardConfig:
             "settle_buckets": self.settle_buckets,
             "on_numerical": self.on_numerical,
             "schedule": self.schedule,
+            "deterministic": self.deterministic,
             "faults": [f.describe() for f in self.faults],
         }

@@ -35,6 +35,8 @@ KINDS = {
     "inf": "set one gradient element to +Inf (backward)",
     "activation": "multiply one output element of the first layer by `factor` (forward)",
     "weight-bitflip": "flip bit `bit` of one weight element after the update (memory)",
+    "replay-noise": "relative Gaussian noise of size `factor` on every replayed gradient "
+    "(stands in for non-deterministic kernels)",
     "allreduce": "turn one averaged gradient element x into x*factor+factor (all-reduce result)",
 }
 BACKWARD_KINDS = ("grad-scale", "grad-bitflip", "nan", "inf")
@@ -128,6 +130,7 @@ class FaultInjector:
         self.faults = tuple(f for f in faults if f.targets(rank, node))
         self.step = -1
         self.replaying = False
+        self._noise_draws = 0
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         params = [p for p in module.parameters() if p.requires_grad]
         for fault in self.faults:
@@ -142,6 +145,11 @@ class FaultInjector:
                     if next(m.parameters(recurse=False), None) is not None
                 )
                 self._handles.append(first.register_forward_hook(self._forward_hook(fault)))
+        for fault in self.faults:
+            if fault.kind == "replay-noise":
+                for index, param in enumerate(params):
+                    hook = self._noise_hook(fault, index)
+                    self._handles.append(param.register_hook(hook))  # type: ignore[no-untyped-call]
         self._weight_faults = [
             (f, params[f.param % len(params)]) for f in self.faults if f.kind == "weight-bitflip"
         ]
@@ -176,6 +184,18 @@ class FaultInjector:
             else:
                 flat[i] = float("inf")
             return grad
+
+        return hook
+
+    def _noise_hook(self, fault: Fault, index: int) -> Any:
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            if not (self.replaying and self.active(fault)):
+                return None
+            # a private generator: the noise must not consume the training RNG
+            self._noise_draws += 1
+            gen = torch.Generator().manual_seed(self._noise_draws * 1_000_003 + index)
+            noise = torch.randn(grad.shape, generator=gen).to(grad.device, grad.dtype)
+            return grad * (1 + fault.factor * noise)
 
         return hook
 

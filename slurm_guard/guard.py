@@ -265,7 +265,8 @@ class Guard:
         captured = capture(batch)
         self._snapshot_due = True
         self.optimizer.zero_grad(set_to_none=True)
-        self.hook.reset(fingerprint_local=verify)
+        exact = self.config.deterministic
+        self.hook.reset(fingerprint_local=verify and exact, sketch_local=verify and not exact)
         micro = list(batch) if isinstance(batch, Microbatches) else [batch]
         losses = []
         for i, microbatch in enumerate(micro):

@@ -54,18 +54,28 @@ class HookState:
     corrupt_reduced: Callable[[torch.Tensor, int], None] | None = None  # fault injection
     active: bool = True
     fingerprint_local: bool = False
+    sketch_local: bool = False  # tolerance mode: per-parameter sketch and norm, not fingerprints
     local_sketches: list[torch.Tensor] = field(default_factory=list)
     local_l1: list[torch.Tensor] = field(default_factory=list)
     reduced_sketches: dict[int, torch.Tensor] = field(default_factory=dict)  # by bucket index
     local_fingerprints: dict[int, torch.Tensor] = field(default_factory=dict)
     largest_bucket: int = 0
 
-    def reset(self, *, fingerprint_local: bool) -> None:
+    def reset(self, *, fingerprint_local: bool, sketch_local: bool = False) -> None:
         self.fingerprint_local = fingerprint_local
+        self.sketch_local = sketch_local
         self.local_sketches = []
         self.local_l1 = []
         self.reduced_sketches = {}
         self.local_fingerprints = {}
+
+
+def param_sketch(signs: SignVectors, grad: torch.Tensor) -> torch.Tensor:
+    """Tolerance mode: (<g, r>, ||g||_2) in float64 for one parameter's gradient."""
+    r = signs.get(grad.numel(), grad.device, grad.dtype).view_as(grad)
+    return torch.stack(
+        [(grad * r).sum(dtype=torch.float64), torch.linalg.vector_norm(grad, dtype=torch.float64)]
+    )
 
 
 def _sketch(state: HookState, buffer: torch.Tensor) -> torch.Tensor:
@@ -81,10 +91,14 @@ def guard_comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Futur
         state.local_sketches.append(_sketch(state, buffer))
         state.local_l1.append(torch.linalg.vector_norm(buffer, 1, dtype=torch.float64))
         state.largest_bucket = max(state.largest_bucket, buffer.numel())
-        if state.fingerprint_local:
+        if state.fingerprint_local or state.sketch_local:
             for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 index = state.param_index[id(param)]
-                state.local_fingerprints[index] = state.fingerprinter.tensor(grad)
+                state.local_fingerprints[index] = (
+                    param_sketch(state.signs, grad)
+                    if state.sketch_local
+                    else state.fingerprinter.tensor(grad)
+                )
     work = dist.all_reduce(buffer, group=state.group, async_op=True)
     assert work is not None
     index = bucket.index()

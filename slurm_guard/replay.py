@@ -50,6 +50,7 @@ class Captured:
     batch: Batch
     cpu_rng: torch.Tensor
     cuda_rng: torch.Tensor | None
+    reference: torch.Tensor | None = None  # tolerance mode: the owner's loss and sketches
 
 
 def capture(batch: Batch) -> Captured:
@@ -95,15 +96,19 @@ def pack(captured: Captured) -> torch.Tensor:
     """One uint8 buffer: JSON header (structure, dtypes, shapes, devices) then the raw bytes."""
     tensors: list[torch.Tensor] = []
     spec = _flatten(captured.batch, tensors)
-    extra = [captured.cpu_rng] + ([captured.cuda_rng] if captured.cuda_rng is not None else [])
+    extra = [captured.cpu_rng, captured.cuda_rng, captured.reference]
+    present = [t is not None for t in extra]
+    extra_tensors = [t for t in extra if t is not None]
     meta = [
         {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "cuda": t.is_cuda}
-        for t in tensors + extra
+        for t in tensors + extra_tensors
     ]
-    header = json.dumps({"spec": spec, "meta": meta, "n_batch": len(tensors)}).encode()
+    header = json.dumps(
+        {"spec": spec, "meta": meta, "n_batch": len(tensors), "extra": present}
+    ).encode()
     parts = [torch.tensor([len(header)], dtype=torch.int64).view(torch.uint8)]
     parts.append(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    for t in tensors + extra:
+    for t in tensors + extra_tensors:
         parts.append(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8))
     return torch.cat(parts)
 
@@ -125,10 +130,14 @@ def unpack(buffer: torch.Tensor, device: torch.device) -> Captured:
         t = raw.view(dtype).reshape(m["shape"])
         tensors.append(t.to(device) if m["cuda"] else t)
     n = header["n_batch"]
+    rest = iter(tensors[n:])
+    cpu_rng, cuda_rng, reference = (next(rest) if p else None for p in header["extra"])
+    assert cpu_rng is not None
     return Captured(
         batch=_unflatten(header["spec"], tensors[:n]),
-        cpu_rng=tensors[n],
-        cuda_rng=tensors[n + 1].cpu() if len(tensors) > n + 1 else None,
+        cpu_rng=cpu_rng,
+        cuda_rng=cuda_rng.cpu() if cuda_rng is not None else None,
+        reference=reference.cpu() if reference is not None else None,
     )
 
 

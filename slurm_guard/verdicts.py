@@ -35,12 +35,24 @@ class ReplayResult:
     owner_grad: int  # gradient fingerprint
     replay_loss: int
     replay_grad: int
+    # tolerance mode: the replayer's relative discrepancy from the owner, and the bound on it
+    discrepancy: float | None = None
+    tolerance: float = 0.0
 
     @property
     def matches(self) -> bool:
+        if self.discrepancy is not None:
+            return self.discrepancy <= self.tolerance
         return self.owner_loss == self.replay_loss and self.owner_grad == self.replay_grad
 
     def evidence(self) -> dict[str, Any]:
+        if self.discrepancy is not None:
+            return {
+                "owner": self.owner,
+                "replayer": self.replayer,
+                "discrepancy": self.discrepancy,
+                "tolerance": self.tolerance,
+            }
         return {
             "owner": self.owner,
             "replayer": self.replayer,
@@ -126,8 +138,26 @@ def judge_replays(results: list[ReplayResult], topology: Topology) -> ReplayJudg
     )
 
 
-def settle_with_third(disputed: ReplayResult, third: int, loss: int, grad: int) -> Finding:
-    """The majority of owner, replayer and a third replay decides who computed wrong."""
+def settle_with_third(
+    disputed: ReplayResult, third: int, loss: int, grad: int, discrepancy: float | None = None
+) -> Finding:
+    """The majority of owner, replayer and a third replay decides who computed wrong.
+
+    In tolerance mode only distances from the owner are known: a third rank that agrees with
+    the owner outvotes the replayer, one that disagrees sides with the replayer.
+    """
+    if discrepancy is not None:
+        agrees = discrepancy <= disputed.tolerance
+        suspect = disputed.replayer if agrees else disputed.owner
+        other = disputed.owner if agrees else disputed.replayer
+        return Finding(
+            "replay",
+            "sdc",
+            (suspect,),
+            f"rank {suspect} disagrees with ranks {other} and {third} on rank "
+            f"{disputed.owner}'s microbatch (beyond the calibrated tolerance)",
+            {"disputed": disputed.evidence(), "third": third, "third_discrepancy": discrepancy},
+        )
     evidence = {
         "disputed": disputed.evidence(),
         "third": third,

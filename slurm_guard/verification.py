@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_guard.fingerprint import as_int
+from slurm_guard.hooks import param_sketch
 from slurm_guard.records import LedgerEntry, append_ledger
 from slurm_guard.replay import Captured, exchange, recompute
 from slurm_guard.verdicts import (
@@ -57,6 +58,29 @@ def loss_bits(loss: torch.Tensor) -> int:
     return int(loss.detach().double().reshape(1).view(torch.int64).item())
 
 
+TOLERANCE_FLOOR = 4 * torch.finfo(torch.float32).eps
+
+
+def reference_vector(loss: torch.Tensor, sketches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Tolerance mode: [loss, (sketch, norm) per parameter] in float64 on the CPU."""
+    parts = [loss.detach().double().reshape(1).cpu()] + [s.cpu() for s in sketches]
+    return torch.cat(parts)
+
+
+def discrepancy(reference: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """Relative distance of a replay from the owner: the worst of the loss and every parameter.
+
+    A sketch difference <e, r> has the size of ||e||_2 for random signs r, so dividing by the
+    owner's gradient norm gives a relative error that does not depend on the layer's scale.
+    """
+    tiny = 1e-30
+    loss_error = (mine[0] - reference[0]).abs() / reference[0].abs().clamp_min(tiny)
+    ref_pairs, my_pairs = reference[1:].view(-1, 2), mine[1:].view(-1, 2)
+    grad_error = (my_pairs[:, 0] - ref_pairs[:, 0]).abs() / ref_pairs[:, 1].clamp_min(tiny)
+    worst = torch.cat([loss_error.reshape(1), grad_error]).max()
+    return torch.nan_to_num(worst, nan=float("inf"))
+
+
 def bits_float(bits: int) -> float:
     return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64).item())
 
@@ -73,6 +97,7 @@ class Verifier:
 
     def __init__(self, guard: Guard) -> None:
         self.g = guard
+        self.calibration: list[float] = []  # worst discrepancy of each calibration step
 
     def _gather(self, row: list[int]) -> list[list[int]]:
         g = self.g
@@ -92,13 +117,27 @@ class Verifier:
                 logger.exception("could not append to the ledger")
 
     def _replay(self, owner_capture: Captured) -> tuple[int, int, bool]:
-        """Recompute someone's microbatch here: (loss bits, gradient fingerprint, non-finite)."""
+        """Recompute someone's microbatch here: (loss bits, gradient value, non-finite).
+
+        The gradient value is the exact fingerprint, or in tolerance mode the bit pattern of the
+        relative discrepancy from the owner's reference (and the loss slot is unused).
+        """
         g = self.g
         with g.injector.replay():
             scale = g.scaler.scale if g.scaler is not None else None
             out = recompute(g.module, g.loss_fn, owner_capture, g.params, scale)
+        if owner_capture.reference is not None:
+            mine = reference_vector(out.loss, [param_sketch(g.hook.signs, t) for t in out.grads])
+            return 0, loss_bits(discrepancy(owner_capture.reference, mine)), out.nonfinite
         fingerprint = as_int(g.fingerprinter.combine(g.fingerprinter.tensor(t) for t in out.grads))
         return loss_bits(out.loss), fingerprint, out.nonfinite
+
+    def tolerance(self) -> float:
+        """The calibrated bound on a clean replay's relative discrepancy (tolerance mode)."""
+        config = self.g.config
+        if len(self.calibration) < config.calibration_replays:
+            return config.initial_tolerance
+        return max(config.tolerance_margin * max(self.calibration), TOLERANCE_FLOOR)
 
     def replay_round(
         self, pairs: Sequence[tuple[int, int]], mine: Captured
@@ -146,15 +185,24 @@ class Verifier:
         if verify:
             owner = g.topology.owner_of(g.rank)
             pairs = [(o, g.topology.replayer[o]) for o in range(g.world_size)]
-            received = exchange(pairs, captured, g.rank, g.group, g.comm_device)
             fp = g.fingerprinter
-            local = [hook.local_fingerprints.get(i) for i in range(len(g.params))]
-            row[OWN_GRAD] = as_int(
-                fp.combine(
-                    f if f is not None else fp.tensor(torch.zeros_like(p))
-                    for f, p in zip(local, g.params, strict=True)
+            if g.config.deterministic:
+                local = [hook.local_fingerprints.get(i) for i in range(len(g.params))]
+                row[OWN_GRAD] = as_int(
+                    fp.combine(
+                        f if f is not None else fp.tensor(torch.zeros_like(p))
+                        for f, p in zip(local, g.params, strict=True)
+                    )
                 )
-            )
+            else:
+                captured.reference = reference_vector(
+                    loss,
+                    [
+                        hook.local_fingerprints.get(i, torch.zeros(2, dtype=torch.float64))
+                        for i in range(len(g.params))
+                    ],
+                )
+            received = exchange(pairs, captured, g.rank, g.group, g.comm_device)
             row[REDUCED_GRAD] = as_int(
                 fp.combine(
                     fp.tensor(p.grad if p.grad is not None else torch.zeros_like(p))
@@ -187,7 +235,13 @@ class Verifier:
         finding = self._judge_replays(rows, captured)
         if finding is None:
             g.last_verified_step = step
-            self._ledger(step, "replay", True, {"comparisons": g.world_size})
+            detail: dict[str, object] = {"comparisons": g.world_size}
+            if not g.config.deterministic:
+                worst = max(bits_float(r[REPLAY_GRAD]) for r in rows)
+                detail.update(max_discrepancy=worst, tolerance=self.tolerance())
+                if len(self.calibration) < g.config.calibration_replays:
+                    self.calibration.append(worst)
+            self._ledger(step, "replay", True, detail)
         return finding, finding is not None
 
     def _judge_reduction(self, rows: list[list[int]], verify: bool) -> Finding | None:
@@ -231,6 +285,8 @@ class Verifier:
 
     def _judge_replays(self, rows: list[list[int]], captured: Captured) -> Finding | None:
         g = self.g
+        tolerant = not g.config.deterministic
+        tolerance = self.tolerance() if tolerant else 0.0
         results = [
             ReplayResult(
                 owner=o,
@@ -239,6 +295,10 @@ class Verifier:
                 owner_grad=rows[o][OWN_GRAD],
                 replay_loss=rows[g.topology.replayer[o]][REPLAY_LOSS],
                 replay_grad=rows[g.topology.replayer[o]][REPLAY_GRAD],
+                discrepancy=(
+                    bits_float(rows[g.topology.replayer[o]][REPLAY_GRAD]) if tolerant else None
+                ),
+                tolerance=tolerance,
             )
             for o in range(g.world_size)
         ]
@@ -250,7 +310,8 @@ class Verifier:
         assert third is not None  # judge_replays asks to settle only when a third rank exists
         extra = self.replay_round([(disputed.owner, third)], captured)
         third_loss, third_grad, _ = extra[disputed.owner]
-        return settle_with_third(disputed, third, third_loss, third_grad)
+        third_distance = bits_float(third_grad) if tolerant else None
+        return settle_with_third(disputed, third, third_loss, third_grad, third_distance)
 
     def vote(self, step: int) -> Finding | None:
         """Fingerprint this replica's whole state and compare it with every other replica's."""

@@ -133,3 +133,30 @@ def features_run(
     out["forward_calls"] = model.forward_calls
     out["scale"] = float(scaler.get_scale()) if scaler is not None else None
     return out
+
+
+def noisy_replays(run_dir: str, steps: int, faults: tuple[sg.Fault, ...]) -> dict[str, Any]:
+    """Tolerance mode with a 1e6-element layer; replays carry noise like non-deterministic GPUs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 1000), nn.Tanh(), nn.Linear(1000, 1000), nn.Tanh(), nn.Linear(1000, 8)
+    )
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    rank = dist.get_rank()
+    noise = tuple(
+        sg.Fault("replay-noise", rank=r, step=0, persistent=True, factor=1e-5)
+        for r in range(dist.get_world_size())
+    )
+    config = sg.GuardConfig(
+        replay_every=1, vote_every=50, deterministic=False, faults=noise + faults
+    )
+    guard = sg.Guard(ddp, opt, mse, run_dir, config=config)
+
+    def batches(step: int) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(7919 * step + rank)
+        return {"x": torch.randn(8, 64, generator=gen), "y": torch.randn(8, 8, generator=gen)}
+
+    out = _train(guard, batches, steps, model)
+    out["tolerance"] = guard.verifier.tolerance()
+    return out

@@ -88,3 +88,26 @@ def test_gradscaler_overflow_skips_are_not_alarms_but_faults_are(tmp_path: Path)
     out = _ok(run_local(features_run, 3, args=(str(faulty), 1, 1, fault, None, True), nodes=NODES))
     alarm = out[0]["alarm"]
     assert (alarm["step"], alarm["verdict"], alarm["suspect_ranks"]) == (10, "sdc", [1])
+
+
+def test_tolerance_mode_catches_a_10x_element_error_and_never_alarms_on_noise(
+    tmp_path: Path,
+) -> None:
+    from feature_workers import noisy_replays
+
+    nodes = ["node1", "node2", "node3", "node4"]
+    clean, faulty = tmp_path / "clean", tmp_path / "faulty"
+    clean.mkdir()
+    faulty.mkdir()
+    out = _ok(run_local(noisy_replays, 4, args=(str(clean), 250, ()), nodes=nodes))
+    assert all(r["alarm"] is None for r in out)
+    replays = [e for e in read_ledger(clean / "ledger.jsonl") if e.check == "replay"]
+    assert len(replays) * 4 >= 1000 and all(e.passed for e in replays)
+    assert max(e.detail["max_discrepancy"] for e in replays) > 0  # the noise was really there
+    assert out[0]["tolerance"] < 1e-3  # calibrated below the initial bound
+
+    # one element of the 1000x1000 weight's gradient, 10x too large, from step 30 on rank 1
+    fault = (sg.Fault("grad-scale", rank=1, step=30, persistent=True, param=2, element=12345),)
+    out = _ok(run_local(noisy_replays, 4, args=(str(faulty), 40, fault), nodes=nodes))
+    alarm = out[0]["alarm"]
+    assert (alarm["step"], alarm["check"], alarm["suspect_ranks"]) == (30, "replay", [1])
