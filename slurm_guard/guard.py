@@ -28,6 +28,7 @@ from slurm_guard.config import GuardConfig
 from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
 from slurm_guard.faults import FaultInjector, faults_from_env
 from slurm_guard.fingerprint import Fingerprinter, as_hex, as_int
+from slurm_guard.fingerprint_fast import FastFingerprinter, backend
 from slurm_guard.hooks import HookState, SignVectors, guard_comm_hook
 from slurm_guard.records import (
     Alarm,
@@ -135,7 +136,9 @@ class Guard:
             self.run_dir.ensure()
         me = local_rank_info(self.rank)
         self.topology = Topology.build(gather_rank_infos(me, self.group, self.comm_device))
-        self.fingerprinter = Fingerprinter(self._agree_on_seed())
+        # NH first level (native kernel where a C compiler is found, the same values in torch
+        # ops elsewhere), then the multilinear tree of fingerprint.py.
+        self.fingerprinter: Fingerprinter = FastFingerprinter(self._agree_on_seed())
         problem: GuardError | None = None
         try:
             faults = self.config.faults + faults_from_env()
@@ -204,6 +207,7 @@ class Guard:
             {
                 "schema": RUN_SCHEMA,
                 "seed": self.fingerprinter.seed,
+                "fingerprint": {"scheme": "nh1", "rank0_backend": backend()},
                 "job_id": self.job_id,
                 "restart_count": self.restart_count,
                 "world_size": self.world_size,
