@@ -1,0 +1,392 @@
+"""Scaling of the guard's checks with the world size: bytes sent and time per check per rank.
+
+For each world size W (2..8 local gloo processes, each rank its own "node" via SLURMD_NODENAME)
+the checks' communication is timed with the guard's own code paths and tensor sizes:
+
+* verdict gather: `Verifier._gather` (one all_gather of ROW = 12 int64 per rank, every step),
+  including its Python post-processing of the W rows;
+* weight vote: the same gather with one int64 (every `vote_every` steps);
+* ring replay exchange: `replay.exchange` with a real captured TinyGPT batch (point-to-point:
+  8-byte size, then the packed batch, to one replayer on another node; every `replay_every`
+  steps);
+* conservation sketch: the comm hook's `_sketch` + L1 norm of one bucket of the model's gradient
+  size (local compute only: its three numbers ride in the verdict gather's row);
+* the O(1) alternative (not implemented in the guard): two all-reduces of a few int64
+  (SUM of counts/flags/sketch terms, MAX of [x, -x] for min/max agreement), with an all-gather
+  only after a failed fast path.
+
+Bytes per rank are computed from the code paths (ring all-gather: W-1 blocks sent and received
+per rank, gloo and NCCL alike). The verdict functions that run on the gathered rows (pure Python,
+O(W) per step) are timed in this process at the target world size itself (8,192 rows), and the
+communication terms are extrapolated from the per-hop cost fitted to the measured 2..8 runs.
+
+    python benchmarks/scaling.py             # W = 2..8, 7 rounds
+    python benchmarks/scaling.py --quick     # W = 2, 4, 8, 3 rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _common import median, table, write_json
+
+from slurm_guard import verification as ver
+from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, make_batch
+from slurm_guard.hooks import SignVectors, _sketch
+from slurm_guard.records import RankInfo
+from slurm_guard.replay import capture, exchange, pack
+from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
+from slurm_guard.verdicts import judge_vote
+
+# The step_overhead.py model and batch, so the replay payload is the one timed there.
+MODEL = TinyGPTConfig(vocab=64, context=64, width=256, heads=4, layers=4, dropout=0.1)
+BATCH = 8
+CALLS = 20  # calls per timed window
+TARGET_NODES, TARGET_GPUS = 1024, 8
+TARGET_W = TARGET_NODES * TARGET_GPUS
+I64 = 8
+ASSUMED_HOP_S = 5e-6  # a typical inter-node small-message latency; NOT measured here
+# O(1) alternative: SUM of [local non-finite, reduced non-finite, replay mismatches, local
+# sketch, local L1] (the float64 terms as a second float64 all-reduce in practice; 5 words in
+# all) and MAX of [reduced sketch, -reduced sketch, reduced grad fp, -reduced grad fp] (min/max
+# agreement in one call). Vote: MAX of [fp, -fp].
+ALT_SUM_WORDS, ALT_MAX_WORDS, ALT_VOTE_WORDS = 5, 4, 2
+CHECKS = ("verdict gather", "weight vote", "ring replay exchange", "conservation sketch")
+
+
+def _gather(row: list[int], world: int) -> list[list[int]]:
+    """`Verifier._gather` without a Guard: the same tensors, collective and post-processing."""
+    mine = torch.tensor(row, dtype=torch.int64)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [[int(v) for v in t.tolist()] for t in out]
+
+
+def _alt_allreduce(sum_words: int, max_words: int) -> None:
+    """The O(1) alternative's fast path: one SUM and one MAX all-reduce of a few int64."""
+    s = torch.zeros(sum_words, dtype=torch.int64)
+    dist.all_reduce(s, op=dist.ReduceOp.SUM)
+    m = torch.zeros(max_words, dtype=torch.int64)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX)
+    s.tolist()
+    m.tolist()
+
+
+def _worker(rounds: int) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cpu = torch.device("cpu")
+    topology = Topology.build(gather_rank_infos(local_rank_info(rank), None, cpu))
+    pairs = [(o, topology.replayer[o]) for o in range(world)]
+    captured = capture(make_batch(0, rank, MODEL, batch_size=BATCH))
+    payload_bytes = int(pack(captured).numel())
+    numel = sum(p.numel() for p in TinyGPT(MODEL).parameters())
+    bucket = torch.randn(numel)
+    signs = SignVectors(1234)
+    hook_state = types.SimpleNamespace(signs=signs)
+    row = [rank] * ver.ROW
+
+    def sketch() -> None:  # per step the hook sketches the local and the averaged gradient
+        _sketch(hook_state, bucket)  # type: ignore[arg-type]
+        torch.linalg.vector_norm(bucket, 1, dtype=torch.float64)
+        _sketch(hook_state, bucket)  # type: ignore[arg-type]
+
+    ops: dict[str, Callable[[], object]] = {
+        "verdict gather": lambda: _gather(row, world),
+        "weight vote": lambda: _gather([rank], world),
+        "ring replay exchange": lambda: exchange(pairs, captured, rank, None, cpu),
+        "conservation sketch": sketch,
+        "alt: all-reduce SUM+MAX": lambda: _alt_allreduce(ALT_SUM_WORDS, ALT_MAX_WORDS),
+        "barrier (floor)": lambda: dist.barrier(),
+    }
+    times: dict[str, list[float]] = {name: [] for name in ops}
+
+    def window(fn: Callable[[], object]) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(CALLS):
+            fn()
+        dist.barrier()
+        return (time.perf_counter() - start) / CALLS
+
+    names = list(ops)
+    for name in names:  # warm-up: connections, allocator, sign vector
+        window(ops[name])
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            times[name].append(window(ops[name]))
+    return {
+        "times": times,
+        "payload_bytes": payload_bytes,
+        "grad_numel": numel,
+        "replayer": list(topology.replayer),
+    }
+
+
+def bytes_per_rank(world: int, payload: int) -> dict[str, dict[str, int]]:
+    """Bytes each rank sends per call of each check (and receives: the same here)."""
+    ring = world - 1  # ring all-gather: W-1 blocks through every rank
+    return {
+        "verdict gather": {"sent": ring * ver.ROW * I64, "per": 1},
+        "weight vote": {"sent": ring * I64, "per": 1},
+        # size (8 bytes) then the packed batch + RNG state to exactly one replayer
+        "ring replay exchange": {"sent": I64 + payload, "per": 1},
+        "conservation sketch": {"sent": 0, "per": 1},
+    }
+
+
+def alt_bytes_per_rank(words: int) -> dict[str, int]:
+    """All-reduce of `words` int64: ring sends 2(W-1)/W x n < 2n; a binary tree <= 3n per rank."""
+    n = words * I64
+    return {"ring_max": 2 * n, "tree_max": 3 * n}
+
+
+def verdict_python_at(world: int, nodes: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds per step of the O(W) Python the guard runs on the gathered rows, at `world` ranks.
+
+    No communication: the rows are built as a clean step would gather them, and the guard's own
+    functions judge them (Verifier._judge_reduction, _judge_replays, the L1 total of check_step,
+    judge_vote; the gather's allocation of W tensors and its tolist() loop).
+    """
+    per_node = world // nodes
+    ranks = [
+        RankInfo(rank=r, node=f"n{r // per_node}", hostname=f"n{r // per_node}")
+        for r in range(world)
+    ]
+    t0 = time.perf_counter()
+    topology = Topology.build(ranks)
+    topology_s = time.perf_counter() - t0
+    one = torch.tensor([1.0], dtype=torch.float64).view(torch.int64).item()
+    row = [0] * ver.ROW
+    row[ver.OWN_LOSS] = row[ver.REPLAY_LOSS] = one
+    row[ver.OWN_GRAD] = row[ver.REPLAY_GRAD] = 12345
+    row[ver.LOCAL_SKETCH] = row[ver.LOCAL_L1] = row[ver.REDUCED_SKETCH] = one
+    row[ver.REDUCED_GRAD] = 6789
+    param = torch.zeros(1)
+    guard = types.SimpleNamespace(
+        topology=topology,
+        world_size=world,
+        params=[param],
+        hook=types.SimpleNamespace(largest_bucket=25_000_000),
+        config=types.SimpleNamespace(deterministic=True),
+    )
+    verifier = ver.Verifier(guard)  # type: ignore[arg-type]
+    mine = torch.tensor(row, dtype=torch.int64)
+    out: dict[str, list[float]] = {
+        "gather lists": [],
+        "verdicts": [],
+        "vote": [],
+        "bits_float share of verdicts": [],
+    }
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        tensors = [torch.empty_like(mine) for _ in range(world)]
+        for t in tensors:
+            t.copy_(mine)  # what all_gather writes
+        rows = [[int(v) for v in t.tolist()] for t in tensors]
+        t1 = time.perf_counter()
+        sum(ver.bits_float(r[ver.LOCAL_L1]) for r in rows)
+        assert verifier._judge_reduction(rows, True) is None
+        assert verifier._judge_replays(rows, None) is None  # type: ignore[arg-type]
+        topology.owner_of(world - 1)
+        t2 = time.perf_counter()
+        assert judge_vote([r[ver.REDUCED_GRAD] for r in rows]) is None
+        t3 = time.perf_counter()
+        for key in (ver.LOCAL_L1, ver.LOCAL_L1, ver.LOCAL_SKETCH):  # the 3W calls in `verdicts`
+            [ver.bits_float(r[key]) for r in rows]
+        t4 = time.perf_counter()
+        out["bits_float share of verdicts"].append(t4 - t3)
+        out["gather lists"].append(t1 - t0)
+        out["verdicts"].append(t2 - t1)
+        out["vote"].append(t3 - t2)
+    result = {k: median(v) for k, v in out.items()}
+    result["topology_build_once"] = topology_s
+    return result
+
+
+def fit_per_hop(worlds: list[int], seconds: list[float]) -> tuple[float, float]:
+    """Least squares t = a + b (W - 1): fixed cost a and per-hop cost b of a ring collective."""
+    xs = [w - 1 for w in worlds]
+    if len(set(xs)) < 2:
+        return seconds[0], 0.0
+    b, a = statistics.linear_regression(xs, seconds)
+    return a, b
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="W = 2, 4, 8 and 3 rounds")
+    parser.add_argument("--worlds", type=int, nargs="+", default=None)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
+    args = parser.parse_args()
+    worlds: list[int] = args.worlds or ([2, 4, 8] if args.quick else list(range(2, 9)))
+    rounds = args.rounds or (3 if args.quick else 7)
+
+    measured: dict[int, dict[str, Any]] = {}
+    for world in worlds:
+        nodes = [f"node{i + 1}" for i in range(world)]
+        began = time.perf_counter()
+        outcomes = run_local_checked(world, rounds, nodes)
+        value = outcomes[0]  # windows end in a barrier: rank 0's time is the slowest rank's
+        measured[world] = {
+            "median_s": {k: median(v) for k, v in value["times"].items()},
+            "raw_s": value["times"],
+            "payload_bytes": value["payload_bytes"],
+            "grad_numel": value["grad_numel"],
+            "replayer": value["replayer"],
+        }
+        print(f"W={world}: measured in {time.perf_counter() - began:.1f} s", file=sys.stderr)
+
+    payload = measured[worlds[-1]]["payload_bytes"]
+    grad_numel = measured[worlds[-1]]["grad_numel"]
+    rows: list[list[object]] = []
+    for world in worlds:
+        b = bytes_per_rank(world, measured[world]["payload_bytes"])
+        med = measured[world]["median_s"]
+        for check in CHECKS:
+            rows.append([world, check, b[check]["sent"], med[check] * 1e6])
+        rows.append(
+            [world, "alt: all-reduce SUM+MAX", "< 144", med["alt: all-reduce SUM+MAX"] * 1e6]
+        )
+        rows.append([world, "barrier (floor)", "-", med["barrier (floor)"] * 1e6])
+
+    # Extrapolation to 1,024 nodes x 8 GPUs. On 2 shared cores the 3..8-process timings measure
+    # CPU oversubscription more than the collectives, so the per-hop cost is taken from W=2
+    # (one ring hop, each rank on its own core) and also shown at an assumed interconnect hop.
+    fits = {
+        name: fit_per_hop(worlds, [measured[w]["median_s"][name] for w in worlds])
+        for name in ("verdict gather", "weight vote", "alt: all-reduce SUM+MAX", "barrier (floor)")
+    }
+    python = verdict_python_at(TARGET_W, TARGET_NODES)
+    big = bytes_per_rank(TARGET_W, payload)
+    base = measured[min(worlds)]["median_s"]
+    hop_here = base["verdict gather"] / (min(worlds) - 1)
+    ar_here = base["alt: all-reduce SUM+MAX"] / 2  # two all-reduces per call
+    ring_hops = TARGET_W - 1
+    tree_hops = 2 * (TARGET_W - 1).bit_length()  # up and down a binary tree
+    extrapolated = {
+        "world": TARGET_W,
+        "bytes_sent_per_rank": {k: v["sent"] for k, v in big.items()},
+        "alt_bytes_sent_per_rank": {
+            "step (SUM 5 + MAX 4 int64)": alt_bytes_per_rank(ALT_SUM_WORDS + ALT_MAX_WORDS),
+            "vote (MAX 2 int64)": alt_bytes_per_rank(ALT_VOTE_WORDS),
+        },
+        "ring_allgather_hops": ring_hops,
+        "tree_allreduce_hops": tree_hops,
+        "hop_s_measured_w2": hop_here,
+        "allreduce_s_measured_w2": ar_here,
+        "assumed_interconnect_hop_s": ASSUMED_HOP_S,
+        "verdict_gather_s": {
+            "at_measured_hop": ring_hops * hop_here,
+            "at_assumed_hop": ring_hops * ASSUMED_HOP_S,
+        },
+        "alt_two_allreduces_s": {
+            "at_measured_hop": 2 * tree_hops * ar_here,
+            "at_assumed_hop": 2 * tree_hops * ASSUMED_HOP_S,
+        },
+        "linear_fit_fixed_and_per_hop_s": {
+            k: {"fixed": a, "per_hop": b} for k, (a, b) in fits.items()
+        },
+        "python_on_rows_s": python,
+        "ring_replay_exchange_bytes": I64 + payload,
+    }
+    print(
+        f"\nScaling, TinyGPT width={MODEL.width} layers={MODEL.layers} ({grad_numel:,} gradient "
+        f"elements), batch {BATCH}x{MODEL.context}; gloo on local processes, 1 thread each, "
+        f"{CALLS} calls per window, medians of {rounds} rounds; bytes sent per rank per call\n"
+    )
+    print(table(["W", "check", "bytes sent / rank", "time / call (µs)"], rows))
+    ms = 1e3
+    gather_s = extrapolated["verdict_gather_s"]
+    alt_s = extrapolated["alt_two_allreduces_s"]
+    hops = f"{ring_hops} hops"
+    xrows = [
+        [
+            "verdict gather (every step)",
+            f"{big['verdict gather']['sent']:,} B",
+            f"O(W): {hops}",
+            f"{gather_s['at_measured_hop']:.1f} s",
+            f"{gather_s['at_assumed_hop'] * ms:.0f} ms",
+        ],
+        [
+            "weight vote (every vote_every)",
+            f"{big['weight vote']['sent']:,} B",
+            f"O(W): {hops}",
+            f"{ring_hops * hop_here:.1f} s",
+            f"{ring_hops * ASSUMED_HOP_S * ms:.0f} ms",
+        ],
+        ["ring replay exchange", f"{I64 + payload:,} B", "O(1): 1 peer", "as W=2..8", "-"],
+        ["conservation sketch", "0 (3 words of the row)", "O(1)", "as W=2..8", "-"],
+        [
+            "Python on the gathered rows (measured)",
+            "-",
+            "O(W)",
+            f"{(python['gather lists'] + python['verdicts']) * ms:.0f} ms",
+            "same",
+        ],
+        [
+            "alt: all-reduce SUM 5 + MAX 4 int64",
+            "<= 144 B ring, <= 216 B tree",
+            f"O(1) B, {tree_hops} hops each",
+            f"{alt_s['at_measured_hop'] * ms:.0f} ms",
+            f"{alt_s['at_assumed_hop'] * ms:.2f} ms",
+        ],
+    ]
+    print(f"\nExtrapolated to {TARGET_NODES} nodes x {TARGET_GPUS} GPUs = {TARGET_W} ranks:\n")
+    print(
+        table(
+            [
+                "check",
+                "bytes sent / rank / call",
+                "order",
+                f"time at measured hop ({hop_here * 1e6:.0f} µs)",
+                f"at {ASSUMED_HOP_S * 1e6:.0f} µs/hop (assumed)",
+            ],
+            xrows,
+        )
+    )
+    print(
+        f"\nPython on {TARGET_W} gathered rows per step (measured here): gather lists "
+        f"{python['gather lists'] * ms:.0f} ms, verdicts {python['verdicts'] * ms:.0f} ms (of "
+        f"which bits_float {python['bits_float share of verdicts'] * ms:.0f} ms), vote "
+        f"{python['vote'] * ms:.1f} ms; Topology.build once per start "
+        f"{python['topology_build_once']:.2f} s"
+    )
+    path = write_json(
+        "scaling",
+        {
+            "model": MODEL.__dict__,
+            "batch": BATCH,
+            "calls_per_window": CALLS,
+            "rounds": rounds,
+            "worlds": worlds,
+            "measured": {str(w): m for w, m in measured.items()},
+            "bytes_sent_per_rank": {str(w): bytes_per_rank(w, payload) for w in worlds},
+            "extrapolated": extrapolated,
+        },
+        args.json,
+    )
+    print(f"wrote {path}")
+
+
+def run_local_checked(world: int, rounds: int, nodes: list[str]) -> list[dict[str, Any]]:
+    from slurm_guard.local_launch import run_local
+
+    outcomes = run_local(_worker, world, (rounds,), nodes=nodes, timeout=600)
+    bad = [o for o in outcomes if o.status != "ok"]
+    if bad:
+        sys.exit(f"W={world}: rank {bad[0].rank} {bad[0].status}:\n{bad[0].value}")
+    return [o.value for o in outcomes]
+
+
+if __name__ == "__main__":
+    main()

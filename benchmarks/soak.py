@@ -1,0 +1,145 @@
+"""False-alarm soak: long clean guarded trainings must raise no alarm at all.
+
+Part 1 (exact mode): replay_every=1, vote_every=1, `--world` ranks each its own node; every step
+gives `world` replay comparisons (each rank recomputes another node's microbatch) and one weight
+vote over all replicas (`world` fingerprints compared). Counted from the ledger, not assumed.
+
+Part 2 (tolerance mode): deterministic=False with a `replay-noise` fault on EVERY rank (relative
+Gaussian noise of size `--noise` on every replayed gradient: stands in for non-deterministic
+kernels); the tolerance is calibrated from the first replays. Zero alarms expected.
+
+    python benchmarks/soak.py --quick                  # 2 x 300 steps, ~2 min
+    python benchmarks/soak.py                          # >= 20,000 comparisons + >= 1,000 replays
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
+
+from _common import RESULTS, environment, table  # noqa: E402
+from workers import SMALL, run_scenarios  # noqa: E402
+
+import slurm_guard as sg  # noqa: E402
+from slurm_guard.local_launch import run_local  # noqa: E402
+from slurm_guard.records import read_ledger  # noqa: E402
+
+
+def count(run_dir: Path, world: int) -> dict[str, Any]:
+    ledger = read_ledger(run_dir / "ledger.jsonl")
+    replays = [e for e in ledger if e.check == "replay"]
+    votes = [e for e in ledger if e.check == "vote"]
+    failed = [e for e in ledger if not e.passed]
+    alarms = sorted(p.name for p in (run_dir / "alarms").glob("*.json"))
+    worst = max((float(e.detail.get("max_discrepancy", 0.0)) for e in replays), default=0.0)
+    tolerance = [float(e.detail["tolerance"]) for e in replays if "tolerance" in e.detail]
+    return {
+        "verification_steps": len(replays),
+        "replay_comparisons": sum(int(e.detail.get("comparisons", world)) for e in replays),
+        "weight_votes": len(votes),
+        "weight_fingerprints_compared": len(votes) * world,
+        "failed_checks": len(failed),
+        "alarms": alarms,
+        "max_discrepancy": worst,
+        "final_tolerance": tolerance[-1] if tolerance else None,
+    }
+
+
+def run_part(
+    name: str, world: int, steps: int, config: sg.GuardConfig, base: Path
+) -> dict[str, Any]:
+    run_dir = base / name
+    run_dir.mkdir()
+    nodes = [f"node{i + 1}" for i in range(world)]
+    scenario = {"run_dir": str(run_dir), "steps": steps, "config": config, "model": SMALL}
+    began = time.monotonic()
+    outcomes = run_local(run_scenarios, world, args=([scenario],), nodes=nodes, timeout=3600.0)
+    seconds = time.monotonic() - began
+    status = [o.status for o in outcomes]
+    raised = [o.value[0]["alarm"] for o in outcomes if o.status == "ok" and o.value[0]["alarm"]]
+    out = {"part": name, "world": world, "steps": steps, "seconds": seconds, "status": status}
+    out.update(count(run_dir, world))
+    out["alarms_raised"] = len(raised) + len(out["alarms"])
+    losses = outcomes[0].value[0]["losses"] if status[0] == "ok" else []
+    out["trained"] = bool(losses) and sum(losses[-10:]) < sum(losses[:10])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=None, help="exact-mode steps (default 5000)")
+    parser.add_argument("--noise-steps", type=int, default=None, help="default 1000")
+    parser.add_argument("--noise", type=float, default=1e-5)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    steps = args.steps or (300 if args.quick else 5000)
+    noise_steps = args.noise_steps or (300 if args.quick else 1000)
+    parts = []
+    with tempfile.TemporaryDirectory(prefix="sg-soak-") as tmp:
+        base = Path(tmp)
+        exact = sg.GuardConfig(replay_every=1, vote_every=1)
+        parts.append(run_part("exact", args.world, steps, exact, base))
+        noise = tuple(
+            sg.Fault("replay-noise", rank=r, step=0, persistent=True, factor=args.noise)
+            for r in range(args.world)
+        )
+        tolerant = sg.GuardConfig(replay_every=1, vote_every=1, deterministic=False, faults=noise)
+        parts.append(run_part("tolerance", args.world, noise_steps, tolerant, base))
+    headers = [
+        "part",
+        "world",
+        "steps",
+        "replay comparisons",
+        "weight votes",
+        "failed checks",
+        "alarms",
+        "max discrepancy",
+        "tolerance",
+        "seconds",
+    ]
+    rows = [
+        [
+            p["part"],
+            p["world"],
+            p["steps"],
+            p["replay_comparisons"],
+            p["weight_votes"],
+            p["failed_checks"],
+            p["alarms_raised"],
+            p["max_discrepancy"] if p["part"] == "tolerance" else "exact",
+            p["final_tolerance"] if p["final_tolerance"] is not None else "-",
+            round(p["seconds"]),
+        ]
+        for p in parts
+    ]
+    print(table(headers, rows))
+    out = args.json or RESULTS / ("soak_quick.json" if args.quick else "soak.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "model": f"TinyGPT {SMALL}",
+        "noise": args.noise,
+        "replay_every": 1,
+        "vote_every": 1,
+    }
+    payload = {"environment": environment(), "settings": settings, "parts": parts}
+    out.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"JSON: {out}", file=sys.stderr)
+    bad = any(
+        p["alarms_raised"] or p["failed_checks"] or p["status"] != ["ok"] * p["world"]
+        for p in parts
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
