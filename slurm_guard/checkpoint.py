@@ -67,6 +67,7 @@ def publish(
     *,
     step: int,
     weight_fingerprint: str,
+    fingerprint_seed: int,
     world_size: int,
     restart_count: int,
 ) -> Path:
@@ -75,6 +76,7 @@ def publish(
     meta = CheckpointMeta(
         step=step,
         weight_fingerprint=weight_fingerprint,
+        fingerprint_seed=fingerprint_seed,
         clean_vote=True,
         files=files,
         world_size=world_size,

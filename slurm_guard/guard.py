@@ -367,6 +367,7 @@ class Guard:
                     stage,
                     step=step,
                     weight_fingerprint=fingerprint,
+                    fingerprint_seed=self.fingerprinter.seed,
                     world_size=self.world_size,
                     restart_count=self.restart_count,
                 )
@@ -509,7 +510,15 @@ class Guard:
             torch.set_rng_state(state["rng"]["cpu"])
             if "cuda" in state["rng"] and torch.cuda.is_available():
                 torch.cuda.set_rng_state(state["rng"]["cuda"])
-        fingerprint = as_hex(self.fingerprinter.tensors(self.state_tensors()))
+        # Verify under the seed the checkpoint was sealed with: a run directory whose run.json
+        # was lost or replaced must not make a good checkpoint look corrupt.
+        seed = meta.fingerprint_seed
+        checker = (
+            self.fingerprinter
+            if seed in (None, self.fingerprinter.seed)
+            else (FastFingerprinter(seed))
+        )
+        fingerprint = as_hex(checker.tensors(self.state_tensors()))
         if not self._all_ok(fingerprint == meta.weight_fingerprint):
             raise GuardError(
                 f"checkpoint step-{step} loads but does not reproduce its weight fingerprint "

@@ -44,6 +44,7 @@ class CheckpointMeta:
     restart_count: int
     created: float
     schema: int = CHECKPOINT_SCHEMA
+    fingerprint_seed: int | None = None  # the seed weight_fingerprint was computed under
 
 
 def parse_checkpoint_meta(obj: Any, source: str) -> CheckpointMeta:
@@ -67,6 +68,9 @@ def parse_checkpoint_meta(obj: Any, source: str) -> CheckpointMeta:
             restart_count=int(obj["restart_count"]),
             created=float(obj["created"]),
             schema=schema,
+            fingerprint_seed=(
+                int(obj["fingerprint_seed"]) if obj.get("fingerprint_seed") is not None else None
+            ),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RecordError(f"{source}: malformed checkpoint metadata ({exc})") from None

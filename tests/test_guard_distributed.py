@@ -194,6 +194,7 @@ def test_corrupt_checkpoint_is_skipped_never_loaded(tmp_path: Path) -> None:
     model_file = tmp_path / "checkpoints" / "step-00000020" / "model.pt"
     model_file.write_bytes(model_file.read_bytes()[:100])  # a torn write
     (tmp_path / "checkpoints" / "step-00000030").mkdir()  # a save that never finished
+    (tmp_path / "run.json").unlink()  # a new fingerprint seed: checkpoints keep their own
     again = {"run_dir": str(tmp_path), "steps": 20, "config": config}
     out = run_local(run_scenarios, 3, args=([again],), nodes=nodes)
     assert out[0].value[0]["start"] == 10
