@@ -328,7 +328,7 @@ def judge_reduction(
             evidence,
         )
     expected = sum(local_sketches) / world
-    actual = _bits_to_float(majority[0])
+    actual = bits_to_float(majority[0])
     drift = abs(actual - expected)
     if drift <= bound:
         return None
@@ -342,5 +342,6 @@ def judge_reduction(
     )
 
 
-def _bits_to_float(bits: int) -> float:
+def bits_to_float(bits: int) -> float:
+    """A float64 that travelled through an int64 collective as its bit pattern."""
     return float(struct.unpack("<d", struct.pack("<q", bits))[0])

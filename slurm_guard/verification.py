@@ -21,6 +21,7 @@ from slurm_guard.replay import Captured, exchange, recompute
 from slurm_guard.verdicts import (
     Finding,
     ReplayResult,
+    bits_to_float,
     conservation_bound,
     judge_nonfinite,
     judge_reduced_nonfinite,
@@ -79,10 +80,6 @@ def discrepancy(reference: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     grad_error = (my_pairs[:, 0] - ref_pairs[:, 0]).abs() / ref_pairs[:, 1].clamp_min(tiny)
     worst = torch.cat([loss_error.reshape(1), grad_error]).max()
     return torch.nan_to_num(worst, nan=float("inf"))
-
-
-def bits_float(bits: int) -> float:
-    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64).item())
 
 
 def _total(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -219,7 +216,7 @@ class Verifier:
         if g.config.finite_check and any(r[LOCAL_NONFINITE] for r in rows):
             return self._triage_nonfinite(step, rows, captured, verify)
         if g.config.finite_check:
-            l1_total = sum(bits_float(r[LOCAL_L1]) for r in rows)
+            l1_total = sum(bits_to_float(r[LOCAL_L1]) for r in rows)
             reduced = judge_reduced_nonfinite(
                 [bool(r[REDUCED_NONFINITE]) for r in rows],
                 overflow_possible=l1_total >= torch.finfo(g.params[0].dtype).max,
@@ -237,7 +234,7 @@ class Verifier:
             g.last_verified_step = step
             detail: dict[str, object] = {"comparisons": g.world_size}
             if not g.config.deterministic:
-                worst = max(bits_float(r[REPLAY_GRAD]) for r in rows)
+                worst = max(bits_to_float(r[REPLAY_GRAD]) for r in rows)
                 detail.update(max_discrepancy=worst, tolerance=self.tolerance())
                 if len(self.calibration) < g.config.calibration_replays:
                     self.calibration.append(worst)
@@ -246,10 +243,10 @@ class Verifier:
 
     def _judge_reduction(self, rows: list[list[int]], verify: bool) -> Finding | None:
         g = self.g
-        l1 = [bits_float(r[LOCAL_L1]) for r in rows]
+        l1 = [bits_to_float(r[LOCAL_L1]) for r in rows]
         unit_roundoff = torch.finfo(g.params[0].dtype).eps / 2
         return judge_reduction(
-            [bits_float(r[LOCAL_SKETCH]) for r in rows],
+            [bits_to_float(r[LOCAL_SKETCH]) for r in rows],
             l1,
             [r[REDUCED_SKETCH] for r in rows],
             conservation_bound(l1, unit_roundoff, g.hook.largest_bucket),
@@ -296,7 +293,7 @@ class Verifier:
                 replay_loss=rows[g.topology.replayer[o]][REPLAY_LOSS],
                 replay_grad=rows[g.topology.replayer[o]][REPLAY_GRAD],
                 discrepancy=(
-                    bits_float(rows[g.topology.replayer[o]][REPLAY_GRAD]) if tolerant else None
+                    bits_to_float(rows[g.topology.replayer[o]][REPLAY_GRAD]) if tolerant else None
                 ),
                 tolerance=tolerance,
             )
@@ -310,7 +307,7 @@ class Verifier:
         assert third is not None  # judge_replays asks to settle only when a third rank exists
         extra = self.replay_round([(disputed.owner, third)], captured)
         third_loss, third_grad, _ = extra[disputed.owner]
-        third_distance = bits_float(third_grad) if tolerant else None
+        third_distance = bits_to_float(third_grad) if tolerant else None
         return settle_with_third(disputed, third, third_loss, third_grad, third_distance)
 
     def vote(self, step: int) -> Finding | None:
