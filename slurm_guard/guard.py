@@ -37,10 +37,10 @@ from slurm_guard.records import (
     append_ledger,
     atomic_write_json,
     read_json_file,
-    read_ledger,
 )
+from slurm_guard.recovery import ResumePoint, choose_resume_point, finish_rollback
 from slurm_guard.replay import LossFn, Microbatches, capture, combined_loss, is_replaying
-from slurm_guard.rundir import RunDir, choose_trusted_checkpoint
+from slurm_guard.rundir import RunDir
 from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.verdicts import Finding
 from slurm_guard.verification import Verifier
@@ -442,11 +442,8 @@ class Guard:
         last passing replay; newer checkpoints are moved to quarantine/<alarm_id>/ and the alarm
         is marked handled, so a later restart does not roll back again.
         """
-        chosen, last_verified = -1, -1
-        unhandled: list[str] = []
-        if self.rank == 0:
-            chosen, last_verified, unhandled = self._choose_resume_point()
-        chosen, last_verified = self._broadcast_ints([chosen, last_verified])
+        point = choose_resume_point(self.run_dir) if self.rank == 0 else ResumePoint(-1, -1)
+        chosen, last_verified = self._broadcast_ints([point.step, point.last_verified_step])
         if chosen < 0:
             self.step_count = 0
             self.last_verified_step = None
@@ -455,51 +452,9 @@ class Guard:
             self.step_count = chosen
             self.last_verified_step = last_verified if last_verified >= 0 else None
         if self.rank == 0:
-            for alarm_id in unhandled:
-                # With no trusted checkpoint (chosen = -1) every checkpoint is quarantined.
-                moved = self.run_dir.quarantine_after(chosen, alarm_id)
-                self.run_dir.mark_handled(
-                    alarm_id,
-                    {
-                        "alarm_id": alarm_id,
-                        "resumed_from_step": self.step_count,
-                        "quarantined": moved,
-                        "restart_count": self.restart_count,
-                        "time": time.time(),
-                    },
-                )
+            finish_rollback(self.run_dir, point, self.restart_count)
         self._barrier()
         return self.step_count
-
-    def _choose_resume_point(self) -> tuple[int, int, list[str]]:
-        alarms, errors = self.run_dir.alarms()
-        for err in errors:
-            logger.warning("ignoring unreadable alarm file: %s", err)
-        handled = self.run_dir.handled_ids()
-        pending = [a for a in alarms if a.alarm_id not in handled and a.verdict != "numerical"]
-        limiting = min(
-            pending,
-            key=lambda a: -1 if a.last_verified_step is None else a.last_verified_step,
-            default=None,
-        )
-        candidates = self.run_dir.checkpoints()
-        chosen = -1
-        while True:
-            meta = choose_trusted_checkpoint(candidates, limiting)
-            if meta is None:
-                break
-            problem = ckpt.verify_files(self.run_dir, meta)
-            if problem is None:
-                chosen = meta.step
-                break
-            logger.warning("skipping checkpoint at step %d: %s", meta.step, problem)
-            candidates = [c for c in candidates if c.step != meta.step]
-        passes = [
-            e.step
-            for e in read_ledger(self.run_dir.ledger)
-            if e.check == "replay" and e.passed and e.step <= chosen
-        ]
-        return chosen, max(passes, default=-1), [a.alarm_id for a in pending]
 
     def _load(self, step: int) -> None:
         meta = next(m for m in self.run_dir.checkpoints() if m.step == step)
