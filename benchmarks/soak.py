@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             p["weight_votes"],
             p["failed_checks"],
             p["alarms_raised"],
-            p["max_discrepancy"] if p["part"] == "tolerance" else "exact",
-            p["final_tolerance"] if p["final_tolerance"] is not None else "-",
+            f"{p['max_discrepancy']:.2e}" if p["part"] == "tolerance" else "exact",
+            f"{p['final_tolerance']:.2e}" if p["final_tolerance"] is not None else "-",
             round(p["seconds"]),
         ]
         for p in parts

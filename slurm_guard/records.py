@@ -101,7 +101,8 @@ def read_json_file(path: Path, *, max_bytes: int = MAX_RECORD_BYTES) -> Any:
         data = f.read(max_bytes + 1)
     try:
         return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    # ValueError: also integers longer than Python's digit limit; RecursionError: nesting.
+    except (ValueError, RecursionError) as exc:
         raise RecordError(
             f"{path}: not valid JSON ({exc}); the file is truncated or was not written by "
             "slurm-guard. Move it aside and rerun."
@@ -260,6 +261,6 @@ def read_ledger(path: Path) -> list[LedgerEntry]:
                         schema=int(obj.get("schema", LEDGER_SCHEMA)),
                     )
                 )
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
                 continue
     return entries

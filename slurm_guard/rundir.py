@@ -72,7 +72,7 @@ def parse_checkpoint_meta(obj: Any, source: str) -> CheckpointMeta:
                 int(obj["fingerprint_seed"]) if obj.get("fingerprint_seed") is not None else None
             ),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise RecordError(f"{source}: malformed checkpoint metadata ({exc})") from None
 
 

@@ -6,10 +6,8 @@ Documented error types: `RecordError` for alarms and checkpoint metadata (`read_
 are skipped), `RunDir.checkpoints()` (bad metadata skipped), `read_alarm_files` (bad files are
 returned as `BadAlarmFile`) and `Engine.process_job` (never raises for bad input).
 
-Bugs found by this file are pinned by the `xfail(strict=True)` tests in the "known bugs" section:
-when one is fixed its test XPASSes, which fails the run, as a reminder to delete it and to take
-its exception out of `_known_bug` (which the fuzz tests use so that they guard against every
-*other* exception type meanwhile).
+The "found by fuzzing" section keeps the inputs that once crashed a reader (deep nesting, huge
+integers, infinite steps) as regression tests.
 
 The slurm-marked tests add what `tests/test_controller_slurm.py` does not already check: that a
 rejected alarm is logged and journaled, and that nothing at all happens (no plan, no intent),
@@ -54,22 +52,11 @@ FUZZ = settings(
 )
 
 
-def _known_bug(exc: BaseException) -> bool:
-    """Exceptions of the bugs pinned below (see the xfail tests); empty this when they're fixed."""
-    if isinstance(exc, (RecursionError, OverflowError)):
-        return True
-    return type(exc) is ValueError and "integer string conversion" in str(exc)
-
-
 def _expect(fn: Any, *args: Any, allowed: tuple[type[BaseException], ...] = ()) -> Any:
     try:
         return fn(*args)
     except allowed:
         return None
-    except Exception as exc:
-        if _known_bug(exc):
-            return None
-        raise
 
 
 # A JSON document close to a real alarm/meta, with hostile values swapped in.
@@ -252,74 +239,44 @@ def test_engine_with_garbage_alarms_decides_nothing_and_does_not_raise(tmp_path:
     assert journal.plans == {} and len(journal.bad_files) == len(payloads)
 
 
-# --------------------------------------------------------------------------- known bugs
+# --------------------------------------------------------------------------- found by fuzzing
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="BUG: read_json_file lets RecursionError out (deeply nested JSON under the 1 MiB limit)",
-)
-def test_bug_deeply_nested_alarm_is_a_record_error(tmp_path: Path) -> None:
+def test_deeply_nested_alarm_is_a_record_error(tmp_path: Path) -> None:
     path = tmp_path / "a1.json"
     path.write_bytes(b"[" * 100_000)
     with pytest.raises(RecordError):
         read_alarm(path)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="BUG: read_alarm_files (controller "
-    "intake) crashes on a deeply nested alarm file instead of rejecting it",
-)
-def test_bug_deeply_nested_alarm_does_not_crash_the_intake(tmp_path: Path) -> None:
+def test_deeply_nested_alarm_does_not_crash_the_intake(tmp_path: Path) -> None:
     (tmp_path / "alarms").mkdir()
     (tmp_path / "alarms" / "a1.json").write_bytes(b"[" * 100_000)
     good, bad = read_alarm_files(tmp_path)
     assert not good and len(bad) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="BUG: read_json_file lets a plain ValueError out for integers longer than 4300 digits",
-)
-def test_bug_huge_integer_alarm_is_a_record_error(tmp_path: Path) -> None:
+def test_huge_integer_alarm_is_a_record_error(tmp_path: Path) -> None:
     path = tmp_path / "a1.json"
     path.write_bytes(b"1" * 5000)
-    try:
+    with pytest.raises(RecordError):
         read_alarm(path)
-    except RecordError:
-        return
-    raise AssertionError("no error")  # pragma: no cover
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(OverflowError, RecursionError),
-    reason="BUG: read_ledger "
-    "raises OverflowError ('step': Infinity) / RecursionError (deep nesting)",
-)
 @pytest.mark.parametrize(
     "line",
     [b'{"step": Infinity, "check": "replay", "passed": true}', b"[" * 100_000],
     ids=["infinite-step", "deep-nesting"],
 )
-def test_bug_ledger_line_with_infinite_step_is_skipped(tmp_path: Path, line: bytes) -> None:
+def test_ledger_line_with_infinite_step_or_deep_nesting_is_skipped(
+    tmp_path: Path, line: bytes
+) -> None:
     path = tmp_path / "ledger.jsonl"
     path.write_bytes(b'{"step": 1, "check": "replay", "passed": true}\n' + line + b"\n")
     assert [e.step for e in read_ledger(path)] == [1]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=OverflowError,
-    reason="BUG: parse_checkpoint_meta raises "
-    "OverflowError for 'step': Infinity / 1e400, so RunDir.checkpoints() and "
-    "resume() crash",
-)
-def test_bug_checkpoint_meta_with_infinite_step_is_skipped(tmp_path: Path) -> None:
+def test_checkpoint_meta_with_infinite_step_is_skipped(tmp_path: Path) -> None:
     rd = RunDir(tmp_path)
     rd.checkpoint_path(5).mkdir(parents=True)
     (rd.checkpoint_path(5) / "meta.json").write_bytes(_dump({**META, "step": math.inf}))
