@@ -43,6 +43,11 @@ class GuardConfig:
         calibration_replays: with deterministic=False, the first this many verification steps
             calibrate the tolerance (checked against `initial_tolerance` meanwhile); after them
             the tolerance is `tolerance_margin` x the largest discrepancy they showed.
+        trust_replays: after an alarm, resume only from a checkpoint that this many passing
+            replays followed. 1 is the published rule (at or before the last passing replay);
+            the default 2 also covers a fault that hides from one replay (e.g. when dropout
+            zeroes the corrupted value in both computations), at the price of rolling back up to
+            one more replay interval.
         on_numerical: what a reproducible NaN/Inf (a bad sample or an unstable model, not the
             hardware) does: "stop" raises SilentDataCorruption with verdict "numerical" (the
             controller drains nothing), "skip" skips that update and goes on.
@@ -60,6 +65,7 @@ class GuardConfig:
     calibration_replays: int = 5
     tolerance_margin: float = 8.0
     initial_tolerance: float = 1e-3
+    trust_replays: int = 2
 
     def __post_init__(self) -> None:
         for name in ("replay_every", "vote_every"):
@@ -88,6 +94,10 @@ class GuardConfig:
             raise ConfigError(
                 "GuardConfig: tolerance_margin must be >= 1 and initial_tolerance in (0, 1)"
             )
+        if isinstance(self.trust_replays, bool) or not 1 <= self.trust_replays <= 100:
+            raise ConfigError(
+                f"GuardConfig.trust_replays={self.trust_replays!r}: must be from 1 to 100"
+            )
         if self.schedule not in ("fixed", "random"):
             raise ConfigError(
                 f"GuardConfig.schedule={self.schedule!r}: must be 'fixed' or 'random'"
@@ -115,5 +125,6 @@ class GuardConfig:
             "on_numerical": self.on_numerical,
             "schedule": self.schedule,
             "deterministic": self.deterministic,
+            "trust_replays": self.trust_replays,
             "faults": [f.describe() for f in self.faults],
         }

@@ -40,7 +40,7 @@ from slurm_guard.records import (
 )
 from slurm_guard.recovery import ResumePoint, choose_resume_point, finish_rollback
 from slurm_guard.replay import LossFn, Microbatches, capture, combined_loss, is_replaying
-from slurm_guard.rundir import RunDir
+from slurm_guard.rundir import RunDir, trust_limit
 from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.verdicts import Finding
 from slurm_guard.verification import Verifier
@@ -168,6 +168,7 @@ class Guard:
             self.module.register_forward_pre_hook(self._snapshot_buffers)
         self.step_count = 0
         self.last_verified_step: int | None = None
+        self.verified_steps: list[int] = []  # passing replays since the resumed checkpoint
         self._settled = not self.config.settle_buckets
         self._voted_at = -1  # step_count right after the last clean vote
         if self.rank == 0:
@@ -429,21 +430,31 @@ class Guard:
         )
 
     def _trusted_for(self, last_verified: int | None) -> str | None:
-        if last_verified is None:
+        limit = trust_limit(last_verified, self.verified_steps, self.config.trust_replays)
+        if limit is None:
             return None
-        clean = [c for c in self.run_dir.checkpoints() if c.clean_vote and c.step <= last_verified]
+        clean = [c for c in self.run_dir.checkpoints() if c.clean_vote and c.step <= limit]
         best = max(clean, key=lambda c: c.step, default=None)
         return None if best is None else self.run_dir.checkpoint_path(best.step).name
 
     def resume(self) -> int:
         """Load the trusted checkpoint; return the step to start from (0 on a fresh run).
 
-        After an alarm, the trusted checkpoint is the newest clean one at or before the alarm's
-        last passing replay; newer checkpoints are moved to quarantine/<alarm_id>/ and the alarm
-        is marked handled, so a later restart does not roll back again.
+        After an alarm, the trusted checkpoint is the newest clean one that `trust_replays`
+        passing replays followed before the alarm; newer checkpoints are moved to
+        quarantine/<alarm_id>/ and the alarm is marked handled, so a later restart does not roll
+        back again.
         """
-        point = choose_resume_point(self.run_dir) if self.rank == 0 else ResumePoint(-1, -1)
-        chosen, last_verified = self._broadcast_ints([point.step, point.last_verified_step])
+        point = ResumePoint(-1, -1)
+        if self.rank == 0:
+            point = choose_resume_point(self.run_dir, self.config.trust_replays)
+        # Only the newest `trust_replays` passes can ever bound a later rollback.
+        k = self.config.trust_replays
+        recent = (point.verified_steps[-k:] + [-1] * k)[:k]
+        chosen, last_verified, *passes = self._broadcast_ints(
+            [point.step, point.last_verified_step, *recent]
+        )
+        self.verified_steps = sorted(s for s in passes if s >= 0)
         if chosen < 0:
             self.step_count = 0
             self.last_verified_step = None

@@ -23,9 +23,10 @@ class ResumePoint:
     step: int  # the trusted checkpoint's step, -1 for a fresh start
     last_verified_step: int  # the newest passing replay at or before it, -1 if none
     pending_alarms: list[str] = field(default_factory=list)  # rolled back by this resume
+    verified_steps: list[int] = field(default_factory=list)  # passing replays up to `step`
 
 
-def choose_resume_point(run_dir: RunDir) -> ResumePoint:
+def choose_resume_point(run_dir: RunDir, trust_replays: int = 1) -> ResumePoint:
     alarms, errors = run_dir.alarms()
     for err in errors:
         logger.warning("ignoring unreadable alarm file: %s", err)
@@ -38,20 +39,21 @@ def choose_resume_point(run_dir: RunDir) -> ResumePoint:
         default=None,
     )
     candidates = run_dir.checkpoints()
+    verified = [e.step for e in read_ledger(run_dir.ledger) if e.check == "replay" and e.passed]
     chosen = -1
-    while (meta := choose_trusted_checkpoint(candidates, limiting)) is not None:
+    while (
+        meta := choose_trusted_checkpoint(candidates, limiting, verified, trust_replays)
+    ) is not None:
         problem = ckpt.verify_files(run_dir, meta)
         if problem is None:
             chosen = meta.step
             break
         logger.warning("skipping checkpoint at step %d: %s", meta.step, problem)
         candidates = [c for c in candidates if c.step != meta.step]
-    passes = [
-        e.step
-        for e in read_ledger(run_dir.ledger)
-        if e.check == "replay" and e.passed and e.step <= chosen
-    ]
-    return ResumePoint(chosen, max(passes, default=-1), [a.alarm_id for a in pending])
+    passes = [s for s in verified if s <= chosen]
+    return ResumePoint(
+        chosen, max(passes, default=-1), [a.alarm_id for a in pending], sorted(set(passes))
+    )
 
 
 def finish_rollback(run_dir: RunDir, point: ResumePoint, restart_count: int) -> None:

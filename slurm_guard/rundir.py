@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,21 +77,40 @@ def parse_checkpoint_meta(obj: Any, source: str) -> CheckpointMeta:
         raise RecordError(f"{source}: malformed checkpoint metadata ({exc})") from None
 
 
+def trust_limit(
+    last_verified: int | None, verified_steps: Iterable[int], trust_replays: int
+) -> int | None:
+    """The newest step a trusted checkpoint may have: `trust_replays` passing replays after it.
+
+    With trust_replays=1 that is the last passing replay V itself (the published rule). A fault
+    that only shows on some data (dropout zeroing the corrupted activation in both computations,
+    say) can pass one replay after its onset; each further required pass makes that less likely.
+    """
+    if last_verified is None:
+        return None
+    passes = sorted({s for s in verified_steps if s <= last_verified} | {last_verified})
+    return passes[-trust_replays] if len(passes) >= trust_replays else None
+
+
 def choose_trusted_checkpoint(
-    checkpoints: list[CheckpointMeta], alarm: Alarm | None
+    checkpoints: list[CheckpointMeta],
+    alarm: Alarm | None,
+    verified_steps: Iterable[int] = (),
+    trust_replays: int = 1,
 ) -> CheckpointMeta | None:
     """The resume rule.
 
-    Without an alarm: the newest checkpoint saved after a clean vote. After an alarm whose last
-    passing replay was at step V: the newest clean checkpoint whose step (= completed steps) is
-    <= V. A persistent fault that began after V cannot have touched it. With no verified step at
-    all, nothing is trusted and training restarts from scratch.
+    Without an alarm: the newest checkpoint saved after a clean vote. After an alarm: the newest
+    clean checkpoint whose step (= completed steps) is at most `trust_limit`, i.e. followed by
+    `trust_replays` passing replays before the alarm. A persistent fault that began after those
+    replays cannot have touched it. With too few verified steps nothing is trusted and training
+    restarts from scratch.
     """
     clean = [c for c in checkpoints if c.clean_vote]
     if alarm is not None:
-        if alarm.last_verified_step is None:
+        limit = trust_limit(alarm.last_verified_step, verified_steps, trust_replays)
+        if limit is None:
             return None
-        limit = alarm.last_verified_step
         clean = [c for c in clean if c.step <= limit]
     return max(clean, key=lambda c: c.step, default=None)
 

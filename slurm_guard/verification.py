@@ -232,6 +232,7 @@ class Verifier:
         finding = self._judge_replays(rows, captured)
         if finding is None:
             g.last_verified_step = step
+            g.verified_steps.append(step)
             detail: dict[str, object] = {"comparisons": g.world_size}
             if not g.config.deterministic:
                 worst = max(bits_to_float(r[REPLAY_GRAD]) for r in rows)

@@ -147,3 +147,17 @@ def test_quarantine_moves_never_deletes(tmp_path: Path) -> None:
     assert moved == ["step-00000020", "step-00000030"]
     assert sorted(p.name for p in (tmp_path / "quarantine" / "a1").iterdir()) == moved
     assert rd.checkpoint_path(10).is_dir()
+
+
+def test_trust_limit_requires_that_many_passing_replays_after_the_checkpoint() -> None:
+    from slurm_guard.rundir import trust_limit
+
+    assert trust_limit(15, [0, 5, 10, 15], 1) == 15
+    assert trust_limit(15, [0, 5, 10, 15], 2) == 10
+    # a fault from step 7 hid from the replay at 10 and was caught at 15: trust only up to 5
+    assert trust_limit(10, [0, 5, 10], 2) == 5
+    assert trust_limit(0, [0], 2) is None
+    assert trust_limit(None, [0, 5], 2) is None
+    ckpts = [meta(5), meta(10)]
+    chosen = choose_trusted_checkpoint(ckpts, alarm(last_verified_step=10), [0, 5, 10], 2)
+    assert chosen == ckpts[0]
