@@ -15,6 +15,7 @@ def main() -> None:
 
     Example:
 
+        \b
         slurm-guard drill --local
     """
 

@@ -219,6 +219,7 @@ def status_cmd(
 
     Example:
 
+        \b
         slurm-guard status 4242
         slurm-guard status /shared/runs/llama-7b --json
     """
@@ -251,6 +252,7 @@ def review_group(ctx: click.Context, as_json: bool, state_dir: Path) -> None:
 
     Example:
 
+        \b
         slurm-guard review
         slurm-guard review approve a1b2c3 --reason "replay evidence is clear"
     """
@@ -313,6 +315,7 @@ def review_approve(ctx: click.Context, alarm_id: str, reason: str, dry_run: bool
 
     Example:
 
+        \b
         slurm-guard review approve 20260101-0042-replay --reason "two replays agree"
     """
     engine = _engine(ctx, _review_state_dir(ctx), dry_run)
@@ -332,6 +335,7 @@ def review_return(ctx: click.Context, node: str, reason: str, dry_run: bool) -> 
 
     Example:
 
+        \b
         slurm-guard review return node2 --reason "dcgmi diag -r 3 passed, GPU reseated"
     """
     engine = _engine(ctx, _review_state_dir(ctx), dry_run)
@@ -349,6 +353,7 @@ def review_retire(ctx: click.Context, node: str, reason: str, dry_run: bool) -> 
 
     Example:
 
+        \b
         slurm-guard review retire node2 --reason "GPU 3 fails replay again, RMA 1234"
     """
     engine = _engine(ctx, _review_state_dir(ctx), dry_run)
@@ -427,6 +432,7 @@ def controller_cmd(
 
     Example:
 
+        \b
         slurm-guard controller --watch --runs-root /shared/runs --state-dir /var/lib/slurm-guard
     """
     from slurm_guard.controller.watch import scan_once

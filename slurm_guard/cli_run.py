@@ -113,6 +113,7 @@ def drill_cmd(
 
     Example:
 
+        \b
         slurm-guard drill --local
 
         slurm-guard drill --nodes 3 --via sbatch --work-dir /shared/drills
@@ -225,6 +226,7 @@ def submit_cmd(
 
     Example:
 
+        \b
         slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --gpus-per-node 8 \\
             -- python train.py --epochs 3
 
