@@ -33,6 +33,9 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+EPILOG_RETRY_LOCK_S = 0.5  # an epilog retries other jobs only if the state lock is free
+
+
 def _state_dir_option(f: F) -> F:
     return click.option(
         "--state-dir",
@@ -493,7 +496,7 @@ def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_
         click.echo(f"job {job_id}: run dir {run_dir} (from {how}), exit {exit_code or '?'}")
         allocation = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", "") or "")
         reports.append(engine.process_job(job_id, run_dir, allocation=tuple(allocation)))
-    reports += engine.retry_pending()
+    reports += engine.retry_pending(lock_timeout_s=EPILOG_RETRY_LOCK_S)
     _print_reports(reports, as_json=False)
     sys.stdout.flush()
 

@@ -44,6 +44,7 @@ class FakeSlurm:
         self.jobs: dict[str, JobInfo] = {}
         self.calls: list[tuple[str, ...]] = []
         self.unavailable = False
+        self.drain_unavailable = False  # slurmctld goes away between planning and draining
 
     def add_job(
         self,
@@ -100,6 +101,8 @@ class FakeSlurm:
 
     def drain(self, node: str, reason: str) -> None:
         self._check()
+        if self.drain_unavailable:
+            raise SlurmUnavailable("slurmctld down", ["scontrol"], 1, "Unable to contact")
         self.calls.append(("drain", node, reason))
         self.nodes_state[node] = {"states": {"IDLE", "DRAIN"}, "reason": reason}
 
@@ -509,3 +512,54 @@ def test_cli_errors_say_what_to_do(slurm: FakeSlurm, store: StateStore) -> None:
         env={"SLURM_JOB_ID": ""},
     )
     assert result.exit_code == 1 and "inside the batch job" in result.output
+
+
+def test_alarm_seen_while_the_job_completes_is_deferred_not_rejected(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path
+) -> None:
+    """During EpilogSlurmctld Slurm shows no node list: only the epilog knows the allocation."""
+    completing = JobFacts(exists=True, state="COMPLETING", nodes=frozenset(), user_id=1000)
+    d = decide(make_alarm(), "100", completing, 1000, Policy(), drains_in_window=0)
+    assert d.outcome is Outcome.DEFER
+
+    write_alarm(run_dir, make_alarm())
+    slurm.jobs["100"] = dataclasses.replace(slurm.jobs["100"], state="COMPLETING", nodes=())
+    report = engine(slurm, store).process_job("100", run_dir)  # the watcher: no allocation
+    assert report.pending and slurm.count("drain") == 0
+    assert "a1" not in store.read().alarms  # nothing decided for good
+    slurm.jobs["100"] = dataclasses.replace(slurm.jobs["100"], state="FAILED", nodes=ALLOC)
+    engine(slurm, store).retry_pending()
+    assert slurm.count("drain") == 1
+
+
+def test_pending_job_keeps_the_allocation_its_epilog_was_given(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path
+) -> None:
+    write_alarm(run_dir, make_alarm())
+    slurm.jobs["100"] = dataclasses.replace(slurm.jobs["100"], state="COMPLETING", nodes=())
+    with store.locked(1.0):  # another controller holds the lock: the epilog's job goes pending
+        report = engine(slurm, store).process_job(
+            "100", run_dir, allocation=ALLOC, lock_timeout_s=0.1
+        )
+    assert report.pending and store.pending()["100"]["allocation"] == list(ALLOC)
+    engine(slurm, store).retry_pending()  # still COMPLETING, but the epilog's list is kept
+    assert slurm.count("drain") == 1
+
+
+def test_circuit_breaker_counts_a_planned_drain_that_an_outage_interrupted(
+    slurm: FakeSlurm, store: StateStore, tmp_path: Path
+) -> None:
+    policy = Policy(max_drains=1)
+    slurm.drain_unavailable = True
+    slurm.add_job("101", ALLOC, user_id=os.getuid())
+    first = tmp_path / "run1"
+    write_alarm(first, make_alarm(job_id="101", alarm_id="x1", nodes=("node1",)))
+    assert engine(slurm, store, policy).process_job("101", first).pending
+    slurm.drain_unavailable = False
+    slurm.add_job("102", ALLOC, user_id=os.getuid())
+    second = tmp_path / "run2"
+    write_alarm(second, make_alarm(job_id="102", alarm_id="x2", nodes=("node2",)))
+    engine(slurm, store, policy).process_job("102", second)
+    assert store.read().alarms["x2"]["outcome"] == "await_approval"
+    engine(slurm, store, policy).retry_pending()  # the interrupted plan is finished
+    assert slurm.count("drain") == 1  # the limit holds

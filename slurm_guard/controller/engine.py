@@ -76,6 +76,7 @@ class JobReport:
     run_dir: str
     pending: bool = False
     pending_reason: str = ""
+    allocation: tuple[str, ...] = ()  # the node list the epilog was given, kept when pending
     decisions: dict[str, tuple[str, str]] = field(default_factory=dict)  # alarm -> outcome, why
     actions: list[str] = field(default_factory=list)  # human-readable, in order
     problems: list[str] = field(default_factory=list)  # rejected files and alarms
@@ -137,6 +138,7 @@ class Engine:
         *,
         in_job: bool = False,
         allocation: tuple[str, ...] = (),
+        lock_timeout_s: float | None = None,
     ) -> JobReport:
         """Handle every undecided alarm of `job_id` in `run_dir` and finish unfinished plans.
 
@@ -145,9 +147,10 @@ class Engine:
         show no nodes. Never raises for bad input or an unreachable slurmctld: the job is
         left pending in the state dir and the report says why.
         """
-        report = JobReport(job_id, str(run_dir))
+        report = JobReport(job_id, str(run_dir), allocation=allocation)
+        wait = self.lock_timeout_s if lock_timeout_s is None else lock_timeout_s
         try:
-            with self.store.locked(self.lock_timeout_s):
+            with self.store.locked(wait):
                 self._process_locked(job_id, run_dir, in_job, allocation, report)
         except LockTimeout as exc:
             self._pend(report, run_dir, str(exc))
@@ -157,13 +160,29 @@ class Engine:
             self._pend(report, run_dir, str(exc))
         return report
 
-    def retry_pending(self) -> list[JobReport]:
+    def retry_pending(self, lock_timeout_s: float | None = None) -> list[JobReport]:
         """Look again at every job left pending (slurmctld was down, the job was running...)
-        and finish every plan a crash or an outage interrupted."""
-        todo = {job_id: str(e.get("run_dir", "")) for job_id, e in self.store.pending().items()}
+        and finish every plan a crash or an outage interrupted.
+
+        An epilog passes a short `lock_timeout_s`: it retries others' jobs only when the lock is
+        free. Waiting the full timeout per pending job made every epilog of a burst queue behind
+        every other (a convoy that grew with the square of the burst); the watcher and later
+        epilogs pick the jobs up instead.
+        """
+        pending = self.store.pending()
+        todo = {job_id: str(e.get("run_dir", "")) for job_id, e in pending.items()}
         for plan in self.store.read().unfinished_plans():
             todo.setdefault(plan.job_id, plan.run_dir)
-        return [self.process_job(job_id, Path(rd)) for job_id, rd in sorted(todo.items())]
+        reports = []
+        for job_id, rd in sorted(todo.items()):
+            raw = pending.get(job_id, {}).get("allocation", [])
+            allocation = tuple(str(n) for n in raw) if isinstance(raw, list) else ()
+            reports.append(
+                self.process_job(
+                    job_id, Path(rd), allocation=allocation, lock_timeout_s=lock_timeout_s
+                )
+            )
+        return reports
 
     def approve(self, alarm_id: str, reason: str, admin: str) -> JobReport:
         """Carry out an alarm that waits for approval (policy, circuit breaker, ambiguous hold)."""
@@ -543,7 +562,7 @@ class Engine:
         logger.warning("job %s pending: %s", report.job_id, reason)
         if not self.dry_run:
             try:
-                self.store.add_pending(report.job_id, run_dir, reason)
+                self.store.add_pending(report.job_id, run_dir, reason, report.allocation)
             except OSError as exc:
                 report.problems.append(f"cannot record pending job: {exc}")
 

@@ -188,6 +188,13 @@ def decide(
         and alarm.restart_count >= job.restart_count
     ):
         return Decision(Outcome.DEFER, f"job {job_id} is still {job.state}; decided once it ends")
+    if job.exists and not job.nodes and job.state == "COMPLETING":
+        # While EpilogSlurmctld runs, Slurm shows no node list; only the job's own epilog knows
+        # it (SLURM_JOB_NODELIST). Anyone else waits: rejecting here would lose the alarm.
+        return Decision(
+            Outcome.DEFER,
+            f"job {job_id} is completing and Slurm shows no node list yet; decided once it ends",
+        )
     problem = check_safety(alarm, job_id, job, file_uid)
     if problem is not None:
         return Decision(Outcome.REJECTED, problem)

@@ -138,19 +138,23 @@ class Journal:
         return [p for p in self.plans.values() if any(a.key not in self.results for a in p.actions)]
 
     def auto_drains_since(self, since: float) -> int:
-        """Automatic drains actually carried out since `since`: the circuit breaker's count."""
+        """Automatic drains done, or planned and not yet failed, since `since`.
+
+        The circuit breaker's count. A planned drain counts before it is carried out: a plan
+        interrupted by an outage or a crash is finished later, and by then other alarms must
+        already have seen it, or the limit would be exceeded once it completes.
+        """
         count = 0
         for plan in self.plans.values():
             if not plan.auto:
                 continue
             for action in plan.actions:
+                if action.op != "drain":
+                    continue
                 result = self.results.get(action.key)
-                if (
-                    action.op == "drain"
-                    and result is not None
-                    and result["type"] == DONE
-                    and float(result["time"]) >= since
-                ):
+                if result is None:
+                    count += plan.created >= since
+                elif result["type"] == DONE and float(result["time"]) >= since:
                     count += 1
         return count
 
@@ -248,15 +252,20 @@ class StateStore:
     def _pending_path(self, job_id: str) -> Path:
         return self.pending_dir / f"{job_id}.json"
 
-    def add_pending(self, job_id: str, run_dir: Path, reason: str) -> None:
+    def add_pending(
+        self, job_id: str, run_dir: Path, reason: str, allocation: tuple[str, ...] = ()
+    ) -> None:
+        """Remember a job to look at again, with the node list its epilog was given, if any."""
         path = self._pending_path(job_id)
         previous = self.pending().get(job_id, {})
+        allocation = allocation or tuple(previous.get("allocation", ()))
         atomic_write_json(
             path,
             {
                 "job_id": job_id,
                 "run_dir": str(run_dir),
                 "reason": reason,
+                "allocation": list(allocation),
                 "first_seen": previous.get("first_seen", time.time()),
                 "attempts": int(previous.get("attempts", 0)) + 1,
                 "updated": time.time(),
