@@ -68,6 +68,8 @@ _UNAVAILABLE_PATTERNS = (
     "slurm backup controller in standby mode",
     "slurmctld is not responding",
     "resource temporarily unavailable",
+    # seen from `scontrol requeuehold` while slurmctld restarted (controller stress benchmark)
+    "unexpected message received",
 )
 _CONFIG_PATTERNS = (
     "dns srv lookup failed",

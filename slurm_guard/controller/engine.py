@@ -77,6 +77,7 @@ class JobReport:
     pending: bool = False
     pending_reason: str = ""
     allocation: tuple[str, ...] = ()  # the node list the epilog was given, kept when pending
+    lock_busy: bool = False  # another controller held the state lock
     decisions: dict[str, tuple[str, str]] = field(default_factory=dict)  # alarm -> outcome, why
     actions: list[str] = field(default_factory=list)  # human-readable, in order
     problems: list[str] = field(default_factory=list)  # rejected files and alarms
@@ -153,6 +154,7 @@ class Engine:
             with self.store.locked(wait):
                 self._process_locked(job_id, run_dir, in_job, allocation, report)
         except LockTimeout as exc:
+            report.lock_busy = True
             self._pend(report, run_dir, str(exc))
         except SlurmUnavailable as exc:
             self._pend(report, run_dir, f"slurmctld unreachable: {exc}")
@@ -177,11 +179,12 @@ class Engine:
         for job_id, rd in sorted(todo.items()):
             raw = pending.get(job_id, {}).get("allocation", [])
             allocation = tuple(str(n) for n in raw) if isinstance(raw, list) else ()
-            reports.append(
-                self.process_job(
-                    job_id, Path(rd), allocation=allocation, lock_timeout_s=lock_timeout_s
-                )
+            report = self.process_job(
+                job_id, Path(rd), allocation=allocation, lock_timeout_s=lock_timeout_s
             )
+            reports.append(report)
+            if report.lock_busy and lock_timeout_s is not None:
+                break  # someone else is working through the jobs; leave the rest to them
         return reports
 
     def approve(self, alarm_id: str, reason: str, admin: str) -> JobReport:
