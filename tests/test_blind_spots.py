@@ -62,3 +62,35 @@ def test_conservation_bound_is_not_a_magic_constant() -> None:
     small = conservation_bound([1.0, 1.0], eps32, 1000)
     assert conservation_bound([10.0, 10.0], eps32, 1000) == pytest.approx(10 * small)
     assert conservation_bound([1.0, 1.0], torch.finfo(torch.bfloat16).eps / 2, 1000) > 1e4 * small
+
+
+def test_random_schedule_verifies_unpredictable_steps_and_catches_faults_there(
+    tmp_path: Path,
+) -> None:
+    config = sg.GuardConfig(replay_every=3, vote_every=1000, schedule="random", seed=1234)
+    verified = [s for s in range(4, 30) if config.is_replay_step(s, 1234)]
+    unverified = [s for s in range(4, 30) if not config.is_replay_step(s, 1234)]
+    on, off = verified[0], unverified[0]
+    assert [s for s in range(30) if s % 3 == 0] != [s for s in range(30) if s in verified]
+
+    def one_off(step: int, name: str) -> dict[str, Any]:
+        fault = sg.Fault("grad-scale", rank=1, step=step, param=10)
+        sc = scenario(
+            tmp_path / name,
+            on + 2,
+            replay_every=3,
+            vote_every=1000,
+            schedule="random",
+            seed=1234,
+            faults=(fault,),
+        )
+        return sc
+
+    scenarios = [one_off(on, "on"), one_off(off, "off")]
+    scenarios[1]["steps"] = off + 1
+    outcomes = run_local(run_scenarios, 3, args=(scenarios,), nodes=NODES)
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+    caught = outcomes[0].value[0]["alarm"]
+    assert (caught["step"], caught["check"], caught["suspect_ranks"]) == (on, "replay", [1])
+    # a one-off fault on a step the schedule did not pick passes: the documented blind spot
+    assert outcomes[0].value[1]["alarm"] is None
