@@ -351,8 +351,15 @@ _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 
 
 def template_path() -> Path:
-    """`sbatch_templates/guarded_ddp.sbatch` of the source tree this package runs from."""
-    return Path(__file__).resolve().parent.parent / "sbatch_templates" / TEMPLATE_NAME
+    """The sbatch template: the source tree's in a checkout, else the installed copy.
+
+    A wheel installs it under `<prefix>/share/slurm-guard/sbatch_templates/` (pyproject's
+    data-files).
+    """
+    source = Path(__file__).resolve().parent.parent / "sbatch_templates" / TEMPLATE_NAME
+    if source.is_file():
+        return source
+    return Path(sys.prefix) / "share" / "slurm-guard" / "sbatch_templates" / TEMPLATE_NAME
 
 
 def default_train_command(train_args: Sequence[str] = ()) -> list[str]:
