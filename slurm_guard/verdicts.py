@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,15 +251,22 @@ def judge_reduced_nonfinite(flags: list[bool], overflow_possible: bool = False) 
     )
 
 
+def odd_ones_out(values: Sequence[Hashable]) -> tuple[int, ...] | None:
+    """Ranks whose value differs from a strict majority: () if all agree, None if no majority."""
+    value, count = Counter(values).most_common(1)[0]
+    if 2 * count <= len(values):
+        return None
+    return tuple(r for r, v in enumerate(values) if v != value)
+
+
 def judge_vote(fingerprints: list[int], what: str = "weights") -> Finding | None:
     """Replicas must hold identical state; the odd rank out of a strict majority is the suspect."""
-    counts = Counter(fingerprints)
-    if len(counts) == 1:
+    odd = odd_ones_out(fingerprints)
+    if odd == ():
         return None
     evidence = {"fingerprints": [f"{fp:016x}" for fp in fingerprints]}
-    value, count = counts.most_common(1)[0]
-    if 2 * count > len(fingerprints):
-        odd = tuple(r for r, fp in enumerate(fingerprints) if fp != value)
+    if odd is not None:
+        count = len(fingerprints) - len(odd)
         return Finding(
             "vote",
             "sdc",
@@ -307,12 +315,10 @@ def judge_reduction(
     """
     world = len(local_sketches)
     keys = list(zip(reduced_sketch_bits, reduced_fingerprints or [0] * world, strict=True))
-    counts = Counter(keys)
-    majority, count = counts.most_common(1)[0]
-    if len(counts) > 1:
-        odd = tuple(r for r, k in enumerate(keys) if k != majority)
+    odd = odd_ones_out(keys)
+    if odd != ():
         evidence = {"reduced_sketch_bits": [f"{b & (2**64 - 1):016x}" for b in reduced_sketch_bits]}
-        if 2 * count > world:
+        if odd is not None:
             return Finding(
                 "reduced_consistency",
                 "sdc",
@@ -328,7 +334,7 @@ def judge_reduction(
             evidence,
         )
     expected = sum(local_sketches) / world
-    actual = bits_to_float(majority[0])
+    actual = bits_to_float(reduced_sketch_bits[0])  # every rank holds the same value here
     drift = abs(actual - expected)
     if drift <= bound:
         return None
