@@ -39,8 +39,15 @@ from slurm_guard.records import (
     read_json_file,
 )
 from slurm_guard.recovery import ResumePoint, choose_resume_point, finish_rollback
-from slurm_guard.replay import LossFn, Microbatches, capture, combined_loss, is_replaying
-from slurm_guard.rundir import RunDir, trust_limit
+from slurm_guard.replay import (
+    LossFn,
+    Microbatches,
+    capture,
+    combined_loss,
+    is_replaying,
+    preserved_state,
+)
+from slurm_guard.rundir import RunDir, newest_clean, trust_limit
 from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.verdicts import Finding
 from slurm_guard.verification import Verifier
@@ -228,21 +235,14 @@ class Guard:
         order that depends on its position in the bucket; without this, a resumed run's first
         step differs from the uninterrupted run's in the last bits.
         """
-        rng = capture(None)
-        buffers = [b.detach().clone() for b in self.module.buffers()]
-        self.hook.active = False
         first = batch[0] if isinstance(batch, Microbatches) else batch
+        self.hook.active = False
         try:
-            self._scaled(self._loss(first)).backward()  # type: ignore[no-untyped-call]
+            with preserved_state(self.module):
+                self._scaled(self._loss(first)).backward()  # type: ignore[no-untyped-call]
         finally:
             self.hook.active = True
             self.optimizer.zero_grad(set_to_none=True)
-            torch.set_rng_state(rng.cpu_rng)
-            if rng.cuda_rng is not None:
-                torch.cuda.set_rng_state(rng.cuda_rng)
-            with torch.no_grad():
-                for buf, saved in zip(self.module.buffers(), buffers, strict=True):
-                    buf.copy_(saved)
         self._settled = True
 
     def _loss(self, batch: Any) -> torch.Tensor:
@@ -431,10 +431,7 @@ class Guard:
 
     def _trusted_for(self, last_verified: int | None) -> str | None:
         limit = trust_limit(last_verified, self.verified_steps, self.config.trust_replays)
-        if limit is None:
-            return None
-        clean = [c for c in self.run_dir.checkpoints() if c.clean_vote and c.step <= limit]
-        best = max(clean, key=lambda c: c.step, default=None)
+        best = None if limit is None else newest_clean(self.run_dir.checkpoints(), limit)
         return None if best is None else self.run_dir.checkpoint_path(best.step).name
 
     def resume(self) -> int:

@@ -11,8 +11,9 @@ restores buffers (BatchNorm running statistics) and this rank's own RNG state af
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +189,24 @@ class ReplayOutput:
     nonfinite: bool
 
 
+@contextlib.contextmanager
+def preserved_state(module: nn.Module) -> Iterator[None]:
+    """Run extra forward/backward passes without a trace: this rank's RNG states (CPU and CUDA)
+    and the module's buffers (BatchNorm running statistics) are restored afterwards."""
+    own_cpu_rng = torch.get_rng_state()
+    own_cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    saved_buffers = [b.detach().clone() for b in module.buffers()]
+    try:
+        yield
+    finally:
+        torch.set_rng_state(own_cpu_rng)
+        if own_cuda_rng is not None:
+            torch.cuda.set_rng_state(own_cuda_rng)
+        with torch.no_grad():
+            for buf, saved in zip(module.buffers(), saved_buffers, strict=True):
+                buf.copy_(saved)
+
+
 def recompute(
     module: nn.Module,
     loss_fn: LossFn,
@@ -203,37 +222,32 @@ def recompute(
     computed from the scaled loss.
     """
     global _replaying
-    own_cpu_rng = torch.get_rng_state()
-    own_cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    saved_buffers = [b.detach().clone() for b in module.buffers()]
     micro = list(captured.batch) if isinstance(captured.batch, Microbatches) else [captured.batch]
     losses: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
-    _replaying = True
-    try:
-        torch.set_rng_state(captured.cpu_rng)
-        if captured.cuda_rng is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(captured.cuda_rng)
-        for mb in micro:
-            loss = loss_fn(module, mb)
-            raw = torch.autograd.grad(
-                scale(loss) if scale else loss, list(params), allow_unused=True
-            )
-            step_grads = [
-                torch.zeros_like(p) if g is None else g for p, g in zip(params, raw, strict=True)
-            ]
-            grads = (
-                step_grads if not grads else [a + g for a, g in zip(grads, step_grads, strict=True)]
-            )
-            losses.append(loss.detach())
-    finally:
-        _replaying = False
-        torch.set_rng_state(own_cpu_rng)
-        if own_cuda_rng is not None:
-            torch.cuda.set_rng_state(own_cuda_rng)
-        with torch.no_grad():
-            for buf, saved in zip(module.buffers(), saved_buffers, strict=True):
-                buf.copy_(saved)
+    with preserved_state(module):
+        _replaying = True
+        try:
+            torch.set_rng_state(captured.cpu_rng)
+            if captured.cuda_rng is not None and torch.cuda.is_available():
+                torch.cuda.set_rng_state(captured.cuda_rng)
+            for mb in micro:
+                loss = loss_fn(module, mb)
+                raw = torch.autograd.grad(
+                    scale(loss) if scale else loss, list(params), allow_unused=True
+                )
+                step_grads = [
+                    torch.zeros_like(p) if g is None else g
+                    for p, g in zip(params, raw, strict=True)
+                ]
+                grads = (
+                    step_grads
+                    if not grads
+                    else [a + g for a, g in zip(grads, step_grads, strict=True)]
+                )
+                losses.append(loss.detach())
+        finally:
+            _replaying = False
     total_loss = combined_loss(losses)
     total = sum((g.sum(dtype=torch.float64) for g in grads), torch.zeros((), dtype=torch.float64))
     nonfinite = not bool(torch.isfinite(total + total_loss.double()).item())

@@ -106,12 +106,17 @@ def choose_trusted_checkpoint(
     replays cannot have touched it. With too few verified steps nothing is trusted and training
     restarts from scratch.
     """
-    clean = [c for c in checkpoints if c.clean_vote]
-    if alarm is not None:
-        limit = trust_limit(alarm.last_verified_step, verified_steps, trust_replays)
-        if limit is None:
-            return None
-        clean = [c for c in clean if c.step <= limit]
+    if alarm is None:
+        return newest_clean(checkpoints)
+    limit = trust_limit(alarm.last_verified_step, verified_steps, trust_replays)
+    return None if limit is None else newest_clean(checkpoints, limit)
+
+
+def newest_clean(
+    checkpoints: list[CheckpointMeta], up_to: int | None = None
+) -> CheckpointMeta | None:
+    """The newest checkpoint saved after a clean vote, at or before step `up_to` if given."""
+    clean = [c for c in checkpoints if c.clean_vote and (up_to is None or c.step <= up_to)]
     return max(clean, key=lambda c: c.step, default=None)
 
 
