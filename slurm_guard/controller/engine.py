@@ -246,23 +246,16 @@ class Engine:
             self._require_ours(node, info.reason, "return")
             if self.dry_run:
                 return f"would resume {node} (reason was: {info.reason})"
-            key = f"admin:return:{node}:{self.clock():.6f}"
-            self.store.append(
-                ADMIN,
-                op="return",
-                node=node,
-                reason=reason,
-                admin=admin,
-                previous_reason=info.reason,
-                key=key,
+            self._admin_action(
+                "return",
+                node,
+                reason,
+                admin,
+                info.reason,
+                "resume",
+                "resumed",
+                lambda: self.client.resume(node),
             )
-            self.store.append(INTENT, key=key, op="resume", target=node)
-            try:
-                self.client.resume(node)
-            except SlurmCommandError as exc:
-                self.store.append(FAILED, key=key, detail=str(exc))
-                raise
-            self.store.append(DONE, key=key, detail="resumed")
             return f"resumed {node} (was: {info.reason})"
 
     def retire_node(self, node: str, reason: str, admin: str) -> str:
@@ -274,24 +267,47 @@ class Engine:
             fail_reason = f"{REASON_PREFIX} retired by {admin}: {reason}"[:MAX_REASON_LEN]
             if self.dry_run:
                 return f"would set {node} FAIL with reason {fail_reason!r}"
-            key = f"admin:retire:{node}:{self.clock():.6f}"
-            self.store.append(
-                ADMIN,
-                op="retire",
-                node=node,
-                reason=reason,
-                admin=admin,
-                previous_reason=info.reason,
-                key=key,
+            self._admin_action(
+                "retire",
+                node,
+                reason,
+                admin,
+                info.reason,
+                "fail",
+                fail_reason,
+                lambda: self.client.fail(node, fail_reason),
             )
-            self.store.append(INTENT, key=key, op="fail", target=node)
-            try:
-                self.client.fail(node, fail_reason)
-            except SlurmCommandError as exc:
-                self.store.append(FAILED, key=key, detail=str(exc))
-                raise
-            self.store.append(DONE, key=key, detail=fail_reason)
             return f"set {node} FAIL: {fail_reason}"
+
+    def _admin_action(
+        self,
+        op: str,
+        node: str,
+        reason: str,
+        admin: str,
+        previous_reason: str | None,
+        slurm_op: str,
+        done_detail: str,
+        call: Callable[[], None],
+    ) -> None:
+        """An admin's change to a node: recorded before (who, why, intent) and after (result)."""
+        key = f"admin:{op}:{node}:{self.clock():.6f}"
+        self.store.append(
+            ADMIN,
+            op=op,
+            node=node,
+            reason=reason,
+            admin=admin,
+            previous_reason=previous_reason,
+            key=key,
+        )
+        self.store.append(INTENT, key=key, op=slurm_op, target=node)
+        try:
+            call()
+        except SlurmCommandError as exc:
+            self.store.append(FAILED, key=key, detail=str(exc))
+            raise
+        self.store.append(DONE, key=key, detail=done_detail)
 
     # ---------------------------------------------------------------- decisions
 
