@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from slurm_utils import wait_for
+from test_controller_unit import make_alarm
 
 from slurm_guard.cli import main
 from slurm_guard.controller.engine import Engine
@@ -126,25 +127,9 @@ def wait_finished(client: CommandSlurmClient, job_id: str) -> JobInfo:
 def alarm(
     job_id: str, *, node: str = "node2", verdict: str = "sdc", alarm_id: str = "a1", **kw: Any
 ) -> Alarm:
-    values: dict[str, Any] = dict(
-        alarm_id=alarm_id,
-        job_id=job_id,
-        restart_count=0,
-        step=340,
-        check="replay",
-        verdict=verdict,
-        suspect_ranks=(1,),
-        suspect_nodes=(node,),
-        suspect_hosts=("localhost",),
-        last_verified_step=330,
-        trusted_checkpoint=None,
-        update_applied=False,
-        evidence={"loss_owner": 2.25, "loss_replay": 2.5},
-        message="replay mismatch",
-        world_size=3,
-    )
-    values.update(kw)
-    return Alarm(**values)
+    """One suspect node, with evidence that `review` must show back."""
+    kw.setdefault("evidence", {"loss_owner": 2.25, "loss_replay": 2.5})
+    return make_alarm(job_id, alarm_id, verdict, (node,), **kw)
 
 
 def finished_job_with_alarm(
