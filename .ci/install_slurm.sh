@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the Slurm + MUNGE + MariaDB packages that slurm_guard.local_cluster drives.
+# Install the Slurm + MUNGE + MariaDB packages that tests/support/local_cluster.py drives.
 #
 # Idempotent: does nothing when every package is already installed, so CI and developers can
 # call it unconditionally. Never prompts (CI has no stdin). Works on Debian 12 (Slurm 22.05)

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The local Slurm cluster is test infrastructure (tests/support), not part of the package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def median(values: Sequence[float]) -> float:

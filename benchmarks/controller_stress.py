@@ -63,7 +63,7 @@ from _common import table, write_json  # noqa: E402
 from slurm_guard.controller.policy import Policy  # noqa: E402
 from slurm_guard.controller.state import StateStore  # noqa: E402
 from slurm_guard.records import Alarm  # noqa: E402
-from slurm_guard.slurm_client import SlurmUnavailable  # noqa: E402
+from slurm_guard.slurm.client import SlurmUnavailable  # noqa: E402
 
 EPILOG_SCRIPT = REPO / "epilog" / "slurm-guard-epilog.sh"
 NODES = 4
@@ -187,7 +187,7 @@ def pct(values: list[float], q: float) -> float:
 
 class Bench:
     def __init__(self, args: argparse.Namespace, work: Path) -> None:
-        from slurm_guard.local_cluster import LocalCluster, find_free_port_base
+        from support.local_cluster import LocalCluster, find_free_port_base
 
         self.args = args
         self.work = work
@@ -248,7 +248,7 @@ class Bench:
         t = time.monotonic()
         self.cluster.start()
         self.events["cluster_start_s"] = time.monotonic() - t
-        from slurm_guard.slurm_client import CommandSlurmClient
+        from slurm_guard.slurm.client import CommandSlurmClient
 
         self.client = CommandSlurmClient(env=self.cluster.env())
         self.store = StateStore(self.state)
@@ -297,7 +297,7 @@ class Bench:
     # ------------------------------------------------------------------ slurmctld restart
 
     def restart_slurmctld(self) -> None:
-        from slurm_guard.local_cluster import _pid_alive, _poll
+        from support.local_cluster import _pid_alive, _poll
 
         c = self.cluster
         pids = c._state_pids()
@@ -766,8 +766,9 @@ def repro_completing() -> int:
 
     The EpilogSlurmctld here is `sleep 8`, standing for a slurm-guard epilog that is slow or
     waits for the state lock (16-29 s per epilog in the 100-job run)."""
-    from slurm_guard.local_cluster import LocalCluster, _poll, find_free_port_base
-    from slurm_guard.slurm_client import CommandSlurmClient
+    from support.local_cluster import LocalCluster, _poll, find_free_port_base
+
+    from slurm_guard.slurm.client import CommandSlurmClient
 
     work = Path(tempfile.mkdtemp(prefix="sg-rp-", dir="/tmp"))
     cluster = LocalCluster(
@@ -831,7 +832,7 @@ def main() -> None:
         sys.exit(repro_completing())
     args.jobs = args.jobs or (40 if args.quick else 100)
 
-    from slurm_guard.local_cluster import missing_binaries
+    from support.local_cluster import missing_binaries
 
     missing = missing_binaries(accounting=False)
     if missing or shutil.which("flock") is None:

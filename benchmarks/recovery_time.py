@@ -106,7 +106,8 @@ def one_repetition(
     from slurm_guard.controller.engine import Engine
     from slurm_guard.controller.policy import Policy
     from slurm_guard.controller.state import StateStore
-    from slurm_guard.drill import FAULT_SPEC, _usable, poll
+    from slurm_guard.drill.slurm import usable_node
+    from slurm_guard.drill.stages import FAULT_SPEC, poll
     from slurm_guard.examples.train import read_events, read_result
 
     rep_dir = work / f"rep{rep}"
@@ -186,7 +187,7 @@ def one_repetition(
     engine = Engine(client, StateStore(state), Policy())
     engine.return_node("node2", "recovery benchmark: the fault was injected", "benchmark")
     poll(
-        lambda: sum(map(_usable, client.nodes())) >= 4 or None,
+        lambda: sum(map(usable_node, client.nodes())) >= 4 or None,
         30,
         "4 usable nodes",
         interval=0.1,
@@ -217,9 +218,10 @@ def main() -> None:
     args = parser.parse_args()
     repeat = args.repeat or (2 if args.quick else 5)
 
-    from slurm_guard.local_cluster import LocalCluster, find_free_port_base, missing_binaries
+    from support.local_cluster import LocalCluster, find_free_port_base, missing_binaries
+
     from slurm_guard.local_launch import free_port
-    from slurm_guard.slurm_client import CommandSlurmClient
+    from slurm_guard.slurm.client import CommandSlurmClient
 
     missing = missing_binaries(accounting=False)
     if missing:

@@ -1,18 +1,16 @@
-"""The guard's exceptions and its process exit code."""
+"""The guard's exceptions (the exit code lives in `protocol`; re-exported here)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from slurm_guard.protocol import EXIT_SDC
+
 if TYPE_CHECKING:
     from slurm_guard.records import Alarm
 
-EXIT_SDC = 86
-"""Exit status of a rank stopped by the guard. The sbatch template and the controller read it.
 
-Chosen outside the range Python, the shell and Slurm use themselves (1, 2, 126-165), so that
-"stopped by slurm-guard" can never be confused with an ordinary crash or a signal.
-"""
+__all__ = ["EXIT_SDC", "GuardError", "SilentDataCorruption"]
 
 
 class GuardError(RuntimeError):

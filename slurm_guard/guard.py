@@ -30,6 +30,7 @@ from slurm_guard.faults import FaultInjector, faults_from_env
 from slurm_guard.fingerprint import Fingerprinter, as_hex, as_int
 from slurm_guard.fingerprint_fast import FastFingerprinter, backend
 from slurm_guard.hooks import HookState, SignVectors, guard_comm_hook
+from slurm_guard.protocol import RUN_SCHEMA
 from slurm_guard.records import (
     Alarm,
     LedgerEntry,
@@ -53,8 +54,6 @@ from slurm_guard.verdicts import Finding
 from slurm_guard.verification import Verifier
 
 logger = logging.getLogger(__name__)
-
-RUN_SCHEMA = 1
 
 
 def check_run_dir(path: Path) -> None:

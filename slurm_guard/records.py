@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ALARM_SCHEMA = 1
-LEDGER_SCHEMA = 1
-CHECKPOINT_SCHEMA = 1
+from slurm_guard.protocol import ALARM_SCHEMA, LEDGER_SCHEMA
+
 MAX_RECORD_BYTES = 1 << 20  # an alarm is a few KiB; anything near this is not ours
 
 VERDICTS = ("sdc", "ambiguous", "numerical")

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_guard.protocol import CHECKPOINT_SCHEMA
 from slurm_guard.records import (
-    CHECKPOINT_SCHEMA,
     Alarm,
     RecordError,
     atomic_write_json,

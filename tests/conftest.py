@@ -1,7 +1,7 @@
 """Shared fixtures: a real local Slurm cluster for tests marked ``slurm``.
 
 One cluster per test session (start takes ~2.5 s with accounting). CI starts a cluster once
-with ``python -m slurm_guard.local_cluster start DIR`` and sets ``SLURM_GUARD_TEST_CLUSTER=DIR``
+with ``python tests/support/local_cluster.py start DIR`` and sets ``SLURM_GUARD_TEST_CLUSTER=DIR``
 so the session reuses it (and leaves it running). ``SLURM_GUARD_REQUIRE_SLURM=1`` turns
 "Slurm not installed" from a skip into a failure, so CI cannot silently skip the Slurm tests.
 """
@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 from slurm_utils import wait_for as _wait_for
-
-from slurm_guard.local_cluster import (
+from support.local_cluster import (
     LocalCluster,
     LocalClusterError,
     find_free_port_base,
     missing_binaries,
 )
-from slurm_guard.slurm_client import CommandSlurmClient
+
+from slurm_guard.slurm.client import CommandSlurmClient
 
 REUSE_ENV = "SLURM_GUARD_TEST_CLUSTER"
 REQUIRE_ENV = "SLURM_GUARD_REQUIRE_SLURM"

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from slurm_utils import wait_for
+from support.local_cluster import LocalCluster
 from test_controller_unit import make_alarm
 
 from slurm_guard.cli import main
@@ -27,10 +28,9 @@ from slurm_guard.controller.engine import Engine
 from slurm_guard.controller.policy import Policy
 from slurm_guard.controller.state import StateStore
 from slurm_guard.errors import EXIT_SDC
-from slurm_guard.local_cluster import LocalCluster
 from slurm_guard.records import Alarm
 from slurm_guard.rundir import RunDir
-from slurm_guard.slurm_client import CommandSlurmClient, JobInfo
+from slurm_guard.slurm.client import CommandSlurmClient, JobInfo
 
 pytestmark = pytest.mark.slurm
 

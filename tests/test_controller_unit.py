@@ -31,7 +31,7 @@ from slurm_guard.controller.state import StateStore
 from slurm_guard.controller.watch import scan_once
 from slurm_guard.records import Alarm
 from slurm_guard.rundir import RunDir
-from slurm_guard.slurm_client import JobInfo, NodeInfo, SlurmUnavailable
+from slurm_guard.slurm.client import JobInfo, NodeInfo, SlurmUnavailable
 
 
 class FakeSlurm:

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.local_cluster import LocalCluster
 
 from slurm_guard.cli import main
 from slurm_guard.examples.train import read_result
-from slurm_guard.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 

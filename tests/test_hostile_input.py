@@ -295,7 +295,7 @@ def test_foreign_users_alarm_naming_another_users_job_is_rejected_logged_and_ine
     A second alarm of A's own, naming a node outside A's allocation: the same."""
     from test_controller_slurm import alarm, reasons, submit, wait_finished
 
-    from slurm_guard.slurm_client import CommandSlurmClient
+    from slurm_guard.slurm.client import CommandSlurmClient
 
     client = CommandSlurmClient(env=idle_slurm_cluster.env())
     job_id, own_run = submit(client, tmp_path)

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from slurm_guard.launch import (
+from slurm_guard.local_launch import free_port
+from slurm_guard.slurm.launch import (
     PORT_BASE,
     PORT_ENV,
     PORT_SPAN,
@@ -23,8 +24,7 @@ from slurm_guard.launch import (
     rendezvous_address,
     task_from_env,
 )
-from slurm_guard.local_launch import free_port
-from slurm_guard.slurm_parsers import NodeInfo
+from slurm_guard.slurm.parsers import NodeInfo
 
 DATA = Path(__file__).resolve().parent / "data"
 WEIRD_RUN_DIR = "/shared/we$ird;(run)&%x"

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 from slurm_utils import wait_for
-
-from slurm_guard.local_cluster import (
+from support.local_cluster import (
     LocalCluster,
     find_free_port_base,
     main,

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from slurm_utils import wait_for
+from support.local_cluster import LocalCluster, find_free_port_base
 
-from slurm_guard.local_cluster import LocalCluster, find_free_port_base
-from slurm_guard.slurm_client import (
+from slurm_guard.slurm.client import (
     CommandSlurmClient,
     JobInfo,
     SlurmClient,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slurm_guard.slurm_parsers import (
+from slurm_guard.slurm.parsers import (
     SlurmParseError,
     expand_hostlist,
     parse_hostnames,

@@ -5,8 +5,9 @@ journal and the lock, `engine` is the only code that changes the cluster, `watch
 long-running scanner, `views` builds what `status` and `review` print.
 """
 
-from slurm_guard.controller.policy import REASON_PREFIX, Outcome, Policy, PolicyError
-from slurm_guard.controller.state import DEFAULT_STATE_DIR, StateError, StateStore
+from slurm_guard.controller.policy import Outcome, Policy, PolicyError
+from slurm_guard.controller.state import StateError, StateStore
+from slurm_guard.protocol import DEFAULT_STATE_DIR, REASON_PREFIX
 
 __all__ = [
     "DEFAULT_STATE_DIR",

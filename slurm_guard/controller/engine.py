@@ -25,7 +25,6 @@ from typing import Any
 from slurm_guard.controller.intake import read_alarm_files
 from slurm_guard.controller.policy import (
     ACTIVE_JOB_STATES,
-    REASON_PREFIX,
     Decision,
     JobFacts,
     Outcome,
@@ -50,7 +49,8 @@ from slurm_guard.controller.state import (
     Plan,
     StateStore,
 )
-from slurm_guard.slurm_client import JobInfo, SlurmClient, SlurmCommandError, SlurmUnavailable
+from slurm_guard.protocol import REASON_PREFIX
+from slurm_guard.slurm.client import JobInfo, SlurmClient, SlurmCommandError, SlurmUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from slurm_guard.protocol import REASON_PREFIX
 from slurm_guard.records import Alarm, RecordError, read_json_file
 
-REASON_PREFIX = "slurm-guard:"
 """Every drain reason we write starts with this; we only ever touch nodes whose reason does."""
 
 POLICY_FILE = "policy.json"

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from slurm_guard.protocol import DEFAULT_STATE_DIR
 from slurm_guard.records import RecordError, atomic_write_json, fsync_dir, read_json_file
 
-DEFAULT_STATE_DIR = Path("/var/lib/slurm-guard")
 JOURNAL = "journal.jsonl"
 LOCK = "lock"
 PENDING = "pending"

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 from slurm_guard.controller.intake import find_run_dir, read_alarm_files
-from slurm_guard.controller.policy import REASON_PREFIX
 from slurm_guard.controller.state import ADMIN, APPROVAL, RESULTS, StateStore
+from slurm_guard.protocol import REASON_PREFIX
 from slurm_guard.records import RecordError, read_json_file, read_ledger
 from slurm_guard.rundir import RunDir, choose_trusted_checkpoint
-from slurm_guard.slurm_client import JobInfo, SlurmClient, SlurmCommandError
+from slurm_guard.slurm.client import JobInfo, SlurmClient, SlurmCommandError
 
 _ALARM_IN_REASON = re.compile(r"\balarm (\S+)")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from slurm_guard.cli_admin import register_admin_commands
-from slurm_guard.cli_run import register_run_commands
+from slurm_guard.cli.admin import register_admin_commands
+from slurm_guard.cli.run import register_run_commands
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

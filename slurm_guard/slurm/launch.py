@@ -30,12 +30,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slurm_guard.controller.intake import COMMENT_KEY
 from slurm_guard.errors import GuardError
-from slurm_guard.slurm_parsers import expand_hostlist
+from slurm_guard.protocol import COMMENT_KEY, DEFAULT_STATE_DIR
+from slurm_guard.slurm.parsers import expand_hostlist
 
 if TYPE_CHECKING:
-    from slurm_guard.slurm_client import SlurmClient
+    from slurm_guard.slurm.client import SlurmClient
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _env_int(env: Mapping[str, str], names: Sequence[str], what: str) -> int:
                 raise LaunchError(f"{name}={value!r} is not an integer ({what})") from None
     raise LaunchError(
         f"{names[0]} is not set: this is not a Slurm task. Run the script under `srun` (or "
-        "through slurm_guard.launch), or start it with torchrun outside Slurm"
+        "through slurm_guard.slurm.launch), or start it with torchrun outside Slurm"
     )
 
 
@@ -175,7 +175,7 @@ def init_distributed_from_slurm(
     if dist.is_initialized():
         return task
     if client is None:
-        from slurm_guard.slurm_client import default_client
+        from slurm_guard.slurm.client import default_client
 
         client = default_client()
     e = os.environ if env is None else env
@@ -345,7 +345,6 @@ def launch(
 # ------------------------------------------------------------------------- sbatch template
 
 TEMPLATE_NAME = "guarded_ddp.sbatch"
-DEFAULT_STATE_DIR = "/var/lib/slurm-guard"
 _MARKER = re.compile(r"@([A-Z_]+)@")
 _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
 
@@ -356,7 +355,7 @@ def template_path() -> Path:
     A wheel installs it under `<prefix>/share/slurm-guard/sbatch_templates/` (pyproject's
     data-files).
     """
-    source = Path(__file__).resolve().parent.parent / "sbatch_templates" / TEMPLATE_NAME
+    source = Path(__file__).resolve().parents[2] / "sbatch_templates" / TEMPLATE_NAME
     if source.is_file():
         return source
     return Path(sys.prefix) / "share" / "slurm-guard" / "sbatch_templates" / TEMPLATE_NAME
@@ -375,7 +374,7 @@ def render_sbatch(
     tasks_per_node: int | None = None,
     train_command: Sequence[str] | None = None,
     job_name: str = "guarded-ddp",
-    state_dir: str = DEFAULT_STATE_DIR,
+    state_dir: str = str(DEFAULT_STATE_DIR),
     slurm_guard: str | None = None,
     sbatch_options: Mapping[str, str | bool] | None = None,
     template: str | None = None,

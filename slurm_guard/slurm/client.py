@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from slurm_guard.slurm_parsers import (
+from slurm_guard.slurm.parsers import (
     JobInfo,
     NodeInfo,
     SlurmParseError,

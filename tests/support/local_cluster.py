@@ -1,4 +1,4 @@
-"""A throw-away, real Slurm cluster on one machine, for tests, CI and `slurm-guard drill`.
+"""A throw-away, real Slurm cluster on one machine, for the tests, CI and the benchmarks.
 
 Mocked Slurm hides exactly the behaviour slurm-guard depends on (requeue timing, credential
 expiry, EpilogSlurmctld environment, state strings), so tests run against real daemons:
@@ -12,13 +12,15 @@ Every daemon is started with the environment marker ``SLURM_GUARD_LOCAL_CLUSTER=
 cluster's daemons nor a recycled PID, and it also finds the ``slurmstepd`` processes that
 slurmd double-forks (they inherit slurmd's environment and outlive it).
 
-Standard library only: this module ships in the package.
+Standard library only. It is test infrastructure, not part of the package users deploy: it runs
+slurmctld as root with a private MariaDB, which no site wants installed beside its controller.
+The database password is random per cluster (kept mode 600 under the cluster's root).
 
 Shell use (daemons stay up after the Python process exits)::
 
-    python -m slurm_guard.local_cluster start /tmp/c1 --nodes 4 --port-base 21000
-    eval "$(python -m slurm_guard.local_cluster env /tmp/c1)"
-    python -m slurm_guard.local_cluster stop /tmp/c1
+    python tests/support/local_cluster.py start /tmp/c1 --nodes 4 --port-base 21000
+    eval "$(python tests/support/local_cluster.py env /tmp/c1)"
+    python tests/support/local_cluster.py stop /tmp/c1
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import shlex
 import shutil
 import signal
@@ -64,7 +67,6 @@ MAX_SOCKET_PATH = 107
 STATE_FILE = "cluster.json"
 DB_NAME = "slurm_acct_db"
 DB_USER = "slurm"
-DB_PASS = "slurm"
 
 #: Binaries needed by a cluster; accounting adds the second group.
 REQUIRED_BINARIES = ("munged", "slurmctld", "slurmd", "sinfo", "scontrol", "sbatch", "scancel")
@@ -365,7 +367,7 @@ class LocalCluster:
             "StorageHost=127.0.0.1\n"
             f"StoragePort={p.mariadb}\n"
             f"StorageUser={DB_USER}\n"
-            f"StoragePass={DB_PASS}\n"
+            f"StoragePass={self._db_password()}\n"
             f"StorageLoc={DB_NAME}\n"
         )
 
@@ -373,13 +375,23 @@ class LocalCluster:
         # 22.05 runs EpilogSlurmctld with an empty environment: provide PATH and SLURM_CONF.
         head = (
             "#!/bin/sh\n"
-            "# Written by slurm_guard.local_cluster: EpilogSlurmctld of a local test cluster.\n"
+            "# Written by tests/support/local_cluster.py: EpilogSlurmctld of a test cluster.\n"
             f"export PATH={shlex.quote(_client_path())}\n"
             f"export SLURM_CONF={shlex.quote(str(self.conf_path))}\n"
         )
         if self.epilog_command is None:
             return head + "exit 0\n"
         return head + "exec " + shlex.join(self.epilog_command) + "\n"
+
+    def _db_password(self) -> str:
+        """The cluster's database password: made once, random, readable by root only."""
+        path = self.root / "etc" / "db_password"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(16))
+        return path.read_text().strip()
 
     def _write_configs(self) -> None:
         for sub in ("etc", "state", "spool", "run", "log", "munge"):
@@ -473,7 +485,7 @@ class LocalCluster:
         if self.running_pids():
             raise LocalClusterError(
                 f"a cluster is already running in {self.root}; stop it first "
-                f"(python -m slurm_guard.local_cluster stop {self.root})"
+                f"(python tests/support/local_cluster.py stop {self.root})"
             )
         # slurmd's per-step socket is the longest path: spool/nodeN/nodeN_<job>.<step>, where
         # the batch step id is 4294967291. Allow for job ids up to 6 digits.
@@ -648,11 +660,12 @@ class LocalCluster:
 
         if not _poll(up, timeout) or proc.poll() is not None:
             raise self._error("MariaDB did not start", log)
+        password = self._db_password()
         sql = (
             f"CREATE DATABASE IF NOT EXISTS {DB_NAME};"
             # skip-name-resolve: the TCP client shows up as 127.0.0.1; keep localhost too.
             + "".join(
-                f"CREATE USER IF NOT EXISTS '{DB_USER}'@'{host}' IDENTIFIED BY '{DB_PASS}';"
+                f"CREATE USER IF NOT EXISTS '{DB_USER}'@'{host}' IDENTIFIED BY '{password}';"
                 f"GRANT ALL ON {DB_NAME}.* TO '{DB_USER}'@'{host}';"
                 for host in ("localhost", "127.0.0.1")
             )
@@ -779,7 +792,7 @@ class LocalCluster:
         except (OSError, ValueError) as exc:
             raise LocalClusterError(
                 f"no local cluster state in {root} ({exc}); was it started with "
-                f"`python -m slurm_guard.local_cluster start {root}`?"
+                f"`python tests/support/local_cluster.py start {root}`?"
             ) from exc
         return cls(
             root,
@@ -898,9 +911,9 @@ def _env_lines(cluster: LocalCluster) -> Iterator[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m slurm_guard.local_cluster start|stop|env|status DIR``."""
+    """``python tests/support/local_cluster.py start|stop|env|status DIR``."""
     parser = argparse.ArgumentParser(
-        prog="python -m slurm_guard.local_cluster",
+        prog="python tests/support/local_cluster.py",
         description="Run a throw-away local Slurm cluster (daemons survive this command).",
         epilog='Example: start /tmp/c1 --port-base 21000 && eval "$(... env /tmp/c1)"',
     )

@@ -22,13 +22,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from slurm_guard.controller.policy import Policy, PolicyError
-from slurm_guard.controller.state import DEFAULT_STATE_DIR, StateError, StateStore
+from slurm_guard.controller.state import StateError, StateStore
+from slurm_guard.protocol import DEFAULT_STATE_DIR
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
     from slurm_guard.controller.engine import Engine, JobReport
-    from slurm_guard.slurm_client import SlurmClient
+    from slurm_guard.slurm.client import SlurmClient
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -72,7 +73,7 @@ def _client(ctx: click.Context) -> SlurmClient:
     if isinstance(obj, dict) and obj.get("slurm_client") is not None:
         client: SlurmClient = obj["slurm_client"]
         return client
-    from slurm_guard.slurm_client import default_client
+    from slurm_guard.slurm.client import default_client
 
     return default_client()
 
@@ -96,7 +97,7 @@ def _handle_errors(f: F) -> F:
     @wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from slurm_guard.controller.engine import EngineError
-        from slurm_guard.slurm_client import SlurmCommandError, SlurmUnavailable
+        from slurm_guard.slurm.client import SlurmCommandError, SlurmUnavailable
 
         try:
             return f(*args, **kwargs)
@@ -470,7 +471,7 @@ def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_
     from slurm_guard.controller.intake import find_run_dir, run_dir_from_comment
     from slurm_guard.controller.views import job_comment
     from slurm_guard.errors import EXIT_SDC
-    from slurm_guard.slurm_parsers import expand_hostlist
+    from slurm_guard.slurm.parsers import expand_hostlist
 
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
@@ -479,7 +480,7 @@ def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_
     reports = []
     comment = os.environ.get("SLURM_JOB_COMMENT")
     if run_dir_from_comment(comment) is None:
-        from slurm_guard.slurm_client import SlurmUnavailable
+        from slurm_guard.slurm.client import SlurmUnavailable
 
         try:
             comment = job_comment(engine.client.job(job_id))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from slurm_guard.controller.state import DEFAULT_STATE_DIR
+from slurm_guard.protocol import DEFAULT_STATE_DIR
 
 
 def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
@@ -232,7 +232,12 @@ def submit_cmd(
 
         slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --dry-run
     """
-    from slurm_guard.launch import LaunchError, default_train_command, render_sbatch, template_path
+    from slurm_guard.slurm.launch import (
+        LaunchError,
+        default_train_command,
+        render_sbatch,
+        template_path,
+    )
 
     run_dir = run_dir.absolute()
     try:
@@ -257,7 +262,7 @@ def submit_cmd(
     if dry_run:
         click.echo(text, nl=False)
         return
-    from slurm_guard.slurm_client import SlurmCommandError, default_client
+    from slurm_guard.slurm.client import SlurmCommandError, default_client
 
     run_dir.mkdir(parents=True, exist_ok=True)
     script = run_dir / "job.sbatch"

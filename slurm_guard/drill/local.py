@@ -1,0 +1,284 @@
+"""The local drill: no Slurm; local processes pose as nodes and the controller runs dry."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from slurm_guard.drill.stages import (
+    CLEAN_JOB_ID,
+    FAULT_SPEC,
+    LOCAL_JOB_ID,
+    DrillError,
+    DrillReport,
+    Echo,
+    Recorder,
+    StageFailed,
+    check,
+    make_work_dir,
+    short_digest,
+)
+
+
+def _local_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs in each local rank: several guarded trainings, one after the other."""
+    import torch.distributed as dist
+
+    from slurm_guard.errors import SilentDataCorruption
+    from slurm_guard.examples.train import run_training
+
+    out: list[dict[str, Any]] = []
+    for sc in scenarios:
+        os.environ.update(sc["env"])
+        began = time.monotonic()
+        try:
+            out.append({"result": run_training(sc["settings"]), "alarm": None})
+        except SilentDataCorruption as exc:
+            out.append({"result": None, "alarm": exc.alarm.to_json()})
+        out[-1]["seconds"] = time.monotonic() - began
+        dist.barrier()
+    return out
+
+
+def _ranks_ok(outcomes: Sequence[Any], what: str) -> list[list[dict[str, Any]]]:
+    bad = [o for o in outcomes if o.status != "ok"]
+    if bad:
+        first = bad[0]
+        raise StageFailed(f"{what}: rank {first.rank} {first.status}: {str(first.value)[-800:]}")
+    return [o.value for o in outcomes]
+
+
+class _SimulatedSlurm:
+    """Just enough of a SlurmClient for a dry-run controller: the job and its nodes.
+
+    The drill's local job ended with the guard's exit code on `nodes`; every node is idle
+    with no reason. Anything that would change the cluster raises: a dry run must not try.
+    """
+
+    def __init__(self, job_id: str, nodes: Sequence[str]) -> None:
+        from slurm_guard.slurm.parsers import JobInfo, NodeInfo
+
+        self._job = JobInfo(
+            job_id=job_id,
+            state="FAILED",
+            reason="NonZeroExitCode",
+            nodes=tuple(nodes),
+            user=os.environ.get("USER", "user"),
+            user_id=os.getuid(),
+            restart_count=0,
+            exit_code=86,
+            exit_signal=0,
+            excluded_nodes=(),
+            work_dir=os.getcwd(),
+            name="drill",
+            requeue=True,
+            held=False,
+        )
+        self._nodes = {
+            n: NodeInfo(n, frozenset({"IDLE"}), None, None, "127.0.0.1", "localhost") for n in nodes
+        }
+
+    def job(self, job_id: str) -> Any:
+        return self._job if job_id == self._job.job_id else None
+
+    def node(self, name: str) -> Any:
+        return self._nodes[name]
+
+    def nodes(self) -> list[Any]:
+        return list(self._nodes.values())
+
+    def expand_hostlist(self, expression: str) -> list[str]:
+        from slurm_guard.slurm.parsers import expand_hostlist
+
+        return expand_hostlist(expression)
+
+    def _refuse(self, *_args: Any) -> None:
+        raise DrillError("the local drill's controller is a dry run; it changes nothing")
+
+    def drain(self, node: str, reason: str) -> None:
+        self._refuse(node, reason)
+
+    def resume(self, node: str) -> None:
+        self._refuse(node)
+
+    def fail(self, node: str, reason: str) -> None:
+        self._refuse(node, reason)
+
+    def requeue_hold(self, job_id: str) -> None:
+        self._refuse(job_id)
+
+    def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
+        self._refuse(job_id, nodes)
+
+    def release(self, job_id: str) -> None:
+        self._refuse(job_id)
+
+    def set_start_time(self, job_id: str, when: str) -> None:
+        self._refuse(job_id, when)
+
+    def submit(self, script: Path, args: Sequence[str] = ()) -> str:
+        self._refuse(script, args)
+        return ""
+
+
+def run_local_drill(
+    work_dir: Path | None = None,
+    *,
+    nodes: int = 3,
+    steps: int = 30,
+    echo: Echo = print,
+    timeout: float = 300.0,
+) -> DrillReport:
+    """The demo: clean run, faulty run, dry-run controller decision, resume, bit-for-bit check.
+
+    `nodes` local processes pose as node1..nodeN (N >= 3: one suspect needs two witnesses);
+    the resumed run uses node1, node3..node{N+1}, i.e. without the suspect node2.
+    """
+    from slurm_guard.controller.engine import Engine
+    from slurm_guard.controller.policy import Policy
+    from slurm_guard.controller.state import StateStore
+    from slurm_guard.examples.train import TrainSettings, read_result
+    from slurm_guard.local_launch import run_local
+    from slurm_guard.protocol import REASON_PREFIX
+    from slurm_guard.records import read_alarm
+    from slurm_guard.rundir import RunDir
+
+    if nodes < 3:
+        raise DrillError("the drill needs --nodes >= 3: attributing a fault takes two witnesses")
+    if steps < 25:
+        raise DrillError("the drill needs --steps >= 25 (the fault starts at step 17)")
+    work = make_work_dir(work_dir, "slurm-guard-drill-")
+    names = [f"node{i}" for i in range(1, nodes + 1)]
+    report = DrillReport(
+        f"slurm-guard drill --local: {nodes} local processes as nodes {names[0]}..{names[-1]}, "
+        "no Slurm, dry-run controller",
+        work,
+    )
+    echo(report.title)
+    echo(f"work dir: {work}")
+    echo(f"fault: {FAULT_SPEC} (a GPU on rank 1's node returns wrong gradients from step 17)")
+    rec = Recorder(report, echo)
+    began = time.monotonic()
+    clean_dir, faulty_dir = work / "clean", work / "faulty"
+    clean = TrainSettings(run_dir=str(clean_dir), steps=steps)
+    faulty = TrainSettings(run_dir=str(faulty_dir), steps=steps, inject=FAULT_SPEC)
+    try:
+        spawn = time.monotonic()
+        outcomes = run_local(
+            _local_worker,
+            nodes,
+            args=(
+                [
+                    {"settings": clean, "env": {"SLURM_JOB_ID": CLEAN_JOB_ID}},
+                    {"settings": faulty, "env": {"SLURM_JOB_ID": LOCAL_JOB_ID}},
+                ],
+            ),
+            nodes=names,
+            timeout=timeout,
+        )
+        spawn_s = time.monotonic() - spawn
+        times = [
+            o.value[i]["seconds"] if o.status == "ok" else 0.0 for o in outcomes[:1] for i in (0, 1)
+        ] or [0.0, 0.0]
+        with rec.stage("clean run (no fault)", spawn_s - times[1]) as d:
+            per_rank = _ranks_ok(outcomes, "clean and faulty runs")
+            first = per_rank[0][0]
+            check(first["alarm"] is None, f"the clean run raised an alarm: {first['alarm']}")
+            result = first["result"]
+            check(result["final_step"] == steps, f"stopped at step {result['final_step']}")
+            d.append(
+                f"{steps} steps on {nodes} ranks in {first['seconds']:.1f} s "
+                f"(+{spawn_s - first['seconds'] - per_rank[0][1]['seconds']:.1f} s process "
+                f"start); final weights sha256 {short_digest(result['weight_sha256'])}"
+            )
+            report.facts["clean_sha256"] = result["weight_sha256"]
+        with rec.stage("guard stops the faulty run", times[1]) as d:
+            runs = [r[1] for r in per_rank]
+            alarm = runs[0]["alarm"]
+            check(alarm is not None, "the faulty run finished without an alarm")
+            check(all(r["alarm"] == alarm for r in runs), "ranks disagree on the alarm")
+            check(alarm["verdict"] == "sdc", f"verdict {alarm['verdict']}, expected sdc")
+            check(alarm["suspect_nodes"] == ["node2"], f"suspects {alarm['suspect_nodes']}")
+            check(not alarm["update_applied"], "the suspect update was applied")
+            files = list(RunDir(faulty_dir).alarms_dir.glob("*.json"))
+            check(len(files) == 1, f"{len(files)} alarm files, expected 1")
+            check(read_alarm(files[0]).alarm_id == alarm["alarm_id"], "alarm file differs")
+            d.append(f"after {runs[0]['seconds']:.1f} s: {alarm['message']}")
+            d.append(
+                f"suspect node2 (rank {alarm['suspect_ranks'][0]}), update not applied; "
+                f"last verified step {alarm['last_verified_step']}, trusted checkpoint "
+                f"{alarm['trusted_checkpoint']}; alarm file {files[0]}"
+            )
+            report.facts["alarm"] = alarm
+        with rec.stage("controller decision (dry run)") as d:
+            store = StateStore(work / "controller-state")
+            engine = Engine(_SimulatedSlurm(LOCAL_JOB_ID, names), store, Policy(), dry_run=True)
+            job_report = engine.process_job(LOCAL_JOB_ID, faulty_dir, allocation=tuple(names))
+            decision = job_report.decisions.get(alarm["alarm_id"])
+            check(decision is not None, f"no decision for the alarm: {job_report.lines()}")
+            assert decision is not None
+            check(decision[0] == "act", f"decision {decision}")
+            drains = [a for a in job_report.actions if a.startswith("would drain ")]
+            check(len(drains) == 1, f"drains {drains}, expected exactly one")
+            check(drains[0].startswith(f"would drain node2 {REASON_PREFIX}"), drains[0])
+            check(
+                any(
+                    a.startswith(f"would exclude {LOCAL_JOB_ID} 0 node2")
+                    for a in job_report.actions
+                ),
+                f"no exclusion of node2 in {job_report.actions}",
+            )
+            d.append(f"decision: {decision[1]}")
+            d += job_report.actions
+        resumed_names = [names[0], *names[2:], f"node{nodes + 1}"]
+        with rec.stage(f"requeued run on {','.join(resumed_names)} resumes and finishes") as d:
+            again = run_local(
+                _local_worker,
+                nodes,
+                args=(
+                    [
+                        {
+                            "settings": faulty,
+                            "env": {"SLURM_JOB_ID": LOCAL_JOB_ID, "SLURM_RESTART_COUNT": "1"},
+                        }
+                    ],
+                ),
+                nodes=resumed_names,
+                timeout=timeout,
+            )
+            rerun = _ranks_ok(again, "requeued run")[0][0]
+            check(rerun["alarm"] is None, f"the requeued run raised an alarm: {rerun['alarm']}")
+            result = rerun["result"]
+            expected = int(str(alarm["trusted_checkpoint"]).split("-")[-1])
+            check(
+                result["resumed_from"] == expected,
+                f"resumed from step {result['resumed_from']}, expected {expected}",
+            )
+            check(result["final_step"] == steps, f"stopped at step {result['final_step']}")
+            check("node2" not in result["nodes"], f"ran on {result['nodes']}")
+            on_disk = read_result(faulty_dir)
+            check(
+                on_disk is not None and on_disk["weight_sha256"] == result["weight_sha256"],
+                "result.json differs from the ranks' result",
+            )
+            d.append(
+                f"resumed from checkpoint step {expected} (the newest saved before the last "
+                f"verified step {alarm['last_verified_step']}), finished step {steps}"
+            )
+            quarantined = sorted(
+                p.name for p in (faulty_dir / "quarantine" / alarm["alarm_id"]).glob("*")
+            )
+            d.append(f"checkpoints after the fault moved aside: {', '.join(quarantined) or '-'}")
+            report.facts["resumed_sha256"] = result["weight_sha256"]
+        with rec.stage("final weights bit-identical to the clean run") as d:
+            a, b = report.facts["clean_sha256"], report.facts["resumed_sha256"]
+            check(a == b, f"clean {short_digest(a)} != resumed {short_digest(b)}")
+            d.append(f"sha256 {a} (parameters, buffers, optimizer state)")
+    except StageFailed:
+        pass
+    report.seconds = time.monotonic() - began
+    echo(f"drill {'PASSED' if report.ok else 'FAILED'} in {report.seconds:.1f} s")
+    return report

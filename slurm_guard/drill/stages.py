@@ -1,0 +1,116 @@
+"""What every drill shares: stages that print PASS/FAIL, checks, polling, the work dir."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from slurm_guard.errors import GuardError
+
+Echo = Callable[[str], None]
+T = TypeVar("T")
+
+LOCAL_JOB_ID = "1001"
+CLEAN_JOB_ID = "1000"
+FAULT_SPEC = "kind=grad-scale,node=@rank1,step=17,persistent=1,param=10"
+"""A persistent wrong gradient on rank 1's node from step 17: between the replays at 15 and 20,
+so the alarm comes at 20, the last verified step is 15 and the trusted checkpoint is step 10."""
+
+
+class DrillError(GuardError):
+    """The drill could not run (not a failed check: that is a FAIL stage)."""
+
+
+@dataclass
+class Stage:
+    name: str
+    passed: bool
+    seconds: float
+    details: list[str] = field(default_factory=list)
+
+
+@dataclass
+class DrillReport:
+    """Stages in order; `ok` only if there is at least one and all passed."""
+
+    title: str
+    work_dir: Path
+    stages: list[Stage] = field(default_factory=list)
+    seconds: float = 0.0
+    facts: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.stages) and all(s.passed for s in self.stages)
+
+
+class StageFailed(Exception):
+    pass
+
+
+class Recorder:
+    """Runs stages, prints each as it ends, stops at the first failure."""
+
+    def __init__(self, report: DrillReport, echo: Echo) -> None:
+        self.report = report
+        self.echo = echo
+
+    @contextmanager
+    def stage(self, name: str, seconds: float | None = None) -> Iterator[list[str]]:
+        """A stage; `seconds` replaces the measured time when the work ran earlier."""
+        details: list[str] = []
+        began = time.monotonic()
+        passed = False
+        try:
+            yield details
+            passed = True
+        except StageFailed as exc:
+            details.append(f"FAILED: {exc}")
+        except (GuardError, OSError, TimeoutError) as exc:
+            details.append(f"FAILED: {type(exc).__name__}: {exc}")
+        finally:
+            took = time.monotonic() - began if seconds is None else seconds
+            stage = Stage(name, passed, took, details)
+            self.report.stages.append(stage)
+            number = len(self.report.stages)
+            mark = "PASS" if passed else "FAIL"
+            self.echo(f"[{mark}] {number}. {name} ({stage.seconds:.1f} s)")
+            for line in details:
+                self.echo(f"         {line}")
+        if not passed:
+            raise StageFailed(name)
+
+
+def check(condition: bool, message: str) -> None:
+    """Fail the current stage with `message` unless `condition` holds."""
+    if not condition:
+        raise StageFailed(message)
+
+
+def poll(predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
+    """Call `predicate` until it returns something truthy; TimeoutError names `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
+        time.sleep(interval)
+
+
+def make_work_dir(work_dir: Path | None, prefix: str) -> Path:
+    if work_dir is None:
+        return Path(tempfile.mkdtemp(prefix=prefix)).resolve()
+    work_dir = work_dir.resolve()
+    work_dir.mkdir(parents=True, exist_ok=True)
+    return work_dir
+
+
+def short_digest(digest: str) -> str:
+    return digest[:16]
