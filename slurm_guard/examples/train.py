@@ -136,20 +136,38 @@ def read_result(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     return obj if isinstance(obj, dict) else None
 
 
-def _all_nodes() -> list[str]:
-    from slurm_guard.topology import local_rank_info
+def _all_nodes(device: torch.device) -> list[str]:
+    """Every rank's node, through tensors: torch's object collectives need numpy to unpickle,
+    and numpy is not a dependency (a fresh venv with only torch has none)."""
+    from slurm_guard.topology import gather_rank_infos, local_rank_info
 
-    me = local_rank_info(dist.get_rank()).node
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, me)
-    return [str(n) for n in out]
+    infos = gather_rank_infos(local_rank_info(dist.get_rank()), None, device)
+    return [info.node for info in infos]
 
 
-def resolve_inject(spec: str, run_dir: Path) -> str:
-    """Replace `node=@rankN` by a node name, the same for every start of the run (collective)."""
+def _broadcast_text(text: str, device: torch.device) -> str:
+    """Rank 0's `text` on every rank (length first, then the UTF-8 bytes; no pickling)."""
+    data = text.encode() if dist.get_rank() == 0 else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=0)
+    if dist.get_rank() == 0:
+        buf = torch.tensor(list(data), dtype=torch.uint8, device=device)
+    else:
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=0)
+    return bytes(buf.cpu().tolist()).decode()
+
+
+def resolve_inject(spec: str, run_dir: Path, device: torch.device | None = None) -> str:
+    """Replace `node=@rankN` by a node name, the same for every start of the run (collective).
+
+    `device` is where the collectives' tensors live: the CUDA device under NCCL, the CPU
+    under gloo (the default).
+    """
     if not _RANK_NODE.search(spec):
         return spec
-    nodes = _all_nodes()
+    device = device if device is not None else torch.device("cpu")
+    nodes = _all_nodes(device)
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         path = run_dir / FAULT_FILE
@@ -167,10 +185,10 @@ def resolve_inject(spec: str, run_dir: Path) -> str:
                 resolved = _RANK_NODE.sub(node_of, spec)
                 atomic_write_json(path, {"spec": resolved, "requested": spec, "nodes": nodes})
                 box[0] = resolved
-            except GuardError as exc:
+            except (GuardError, OSError) as exc:
+                # Every rank must learn of it, or the others wait in the broadcast below.
                 box[0] = f"error: {exc}"
-    dist.broadcast_object_list(box, src=0)
-    resolved = str(box[0])
+    resolved = _broadcast_text(str(box[0]) if dist.get_rank() == 0 else "", device)
     if resolved.startswith("error: "):
         raise GuardError(resolved[len("error: ") :])
     return resolved
@@ -197,7 +215,9 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     model = TinyGPT(cfg).to(device)
     ddp = DistributedDataParallel(model, device_ids=[device] if cuda else None)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=settings.lr)
-    faults = parse_faults(resolve_inject(settings.inject, run_dir)) if settings.inject else ()
+    faults = (
+        parse_faults(resolve_inject(settings.inject, run_dir, device)) if settings.inject else ()
+    )
     config = GuardConfig(
         replay_every=settings.replay_every, vote_every=settings.vote_every, faults=faults
     )
