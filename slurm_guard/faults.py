@@ -38,6 +38,8 @@ KINDS = {
     "replay-noise": "relative Gaussian noise of size `factor` on every replayed gradient "
     "(stands in for non-deterministic kernels)",
     "allreduce": "turn one averaged gradient element x into x*factor+factor (all-reduce result)",
+    "diagnose-gemm": "turn one element x of the `step`-th (persistent: every later) GEMM result "
+    "of `slurm-guard diagnose` into x*factor+factor; `rank` selects the GPU",
 }
 BACKWARD_KINDS = ("grad-scale", "grad-bitflip", "nan", "inf")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from slurm_guard.cli.admin import register_admin_commands
+from slurm_guard.cli.evidence import register_evidence_commands
 from slurm_guard.cli.run import register_run_commands
 
 
@@ -22,3 +23,4 @@ def main() -> None:
 
 register_run_commands(main)
 register_admin_commands(main)
+register_evidence_commands(main)

@@ -1,0 +1,202 @@
+"""`slurm-guard diagnose`: the known-answer burn-in, its golden results and its evidence records.
+
+Runs the real burn-in on the CPU (small matrices, no extra time): the same code path a GPU node
+takes, minus the device. Faults are injected through SLURM_GUARD_INJECT exactly as an admin
+would for a drill.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner, Result
+
+from slurm_guard.cli import main
+from slurm_guard.cli.evidence import EXIT_DIAGNOSIS_FAILED
+from slurm_guard.diagnose import DiagnoseConfig, faults_for_diagnose, run_diagnosis
+from slurm_guard.errors import GuardError
+from slurm_guard.evidence import (
+    GOLDEN_MATCH,
+    GOLDEN_MISMATCH,
+    GOLDEN_RECORDED,
+    latest_diagnosis,
+    parse_diagnosis,
+    read_diagnoses,
+)
+from slurm_guard.faults import parse_faults
+from slurm_guard.records import RecordError
+
+SMALL = ["--size", "48", "--seeds", "1", "--duration", "0", "--threads", "1"]
+PERSISTENT = "kind=diagnose-gemm,node=node2,step=0,persistent=1"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def diagnose(state: Path, node: str, *args: str, inject: str = "") -> Result:
+    env = {"SLURM_GUARD_INJECT": inject}
+    return CliRunner().invoke(
+        main,
+        ["diagnose", *SMALL, "--node", node, "--state-dir", str(state), "--json", *args],
+        env=env,
+    )
+
+
+def as_json(result: Result) -> dict[str, Any]:
+    out: dict[str, Any] = json.loads(result.output)
+    return out
+
+
+def test_a_healthy_node_passes_and_its_result_becomes_the_golden_one(tmp_path: Path) -> None:
+    first = diagnose(tmp_path, "node1")
+    assert first.exit_code == 0, first.output
+    d = as_json(first)
+    assert d["passed"] and d["golden"] == GOLDEN_RECORDED
+    assert {c["precision"] for c in d["cases"]} == {"fp32", "bf16", "fp16"}
+    assert all(c["repeats"] >= 2 and c["mismatches"] == 0 for c in d["cases"])
+    assert all(0 < c["checksum_excess"] <= 1 for c in d["cases"])
+    again = diagnose(tmp_path, "node3")
+    assert again.exit_code == 0, again.output
+    assert as_json(again)["golden"] == GOLDEN_MATCH
+    # one record per run, kept as the node's evidence
+    assert [x.passed for x in read_diagnoses(tmp_path, "node1")] == [True]
+    assert Path(as_json(again)["recorded"]).parent == tmp_path / "diagnoses" / "node3"
+
+
+def test_a_persistent_gemm_fault_fails_against_the_golden_result(tmp_path: Path) -> None:
+    assert diagnose(tmp_path, "node1").exit_code == 0
+    bad = diagnose(tmp_path, "node2", inject=PERSISTENT)
+    assert bad.exit_code == EXIT_DIAGNOSIS_FAILED, bad.output
+    d = as_json(bad)
+    assert not d["passed"] and d["golden"] == GOLDEN_MISMATCH
+    # wrong every time in the same way: repeats agree, only the golden result tells
+    assert all(c["mismatches"] == 0 for c in d["cases"])
+    assert all(c["golden"] == GOLDEN_MISMATCH for c in d["cases"])
+    assert any("recorded by node1" in f for f in d["failures"])
+    assert d["faults"] == ["diagnose-gemm on node node2, persistent from step 0"]
+    latest = latest_diagnosis(tmp_path, "node2")
+    assert latest is not None and not latest.passed
+    # node1 is untouched by node2's run
+    assert diagnose(tmp_path, "node1").exit_code == 0
+
+
+def test_a_faulty_first_node_never_becomes_the_golden_reference(tmp_path: Path) -> None:
+    bad = diagnose(tmp_path, "node2", inject=PERSISTENT)
+    assert bad.exit_code == EXIT_DIAGNOSIS_FAILED
+    d = as_json(bad)
+    # the column checksum catches a gross error without any golden result
+    fp32 = next(c for c in d["cases"] if c["precision"] == "fp32")
+    assert not fp32["checksum_ok"] and fp32["checksum_excess"] > 1
+    assert not (tmp_path / "golden").exists()
+    good = diagnose(tmp_path, "node1")
+    assert good.exit_code == 0 and as_json(good)["golden"] == GOLDEN_RECORDED
+
+
+def test_an_intermittent_fault_breaks_repeatability(tmp_path: Path) -> None:
+    # the 5th GEMM overall: a repeat of the second case, not its first result
+    one_off = "kind=diagnose-gemm,node=node2,step=4,element=3"
+    bad = diagnose(tmp_path, "node2", inject=one_off)
+    assert bad.exit_code == EXIT_DIAGNOSIS_FAILED, bad.output
+    d = as_json(bad)
+    hit = [c for c in d["cases"] if c["mismatches"]]
+    assert len(hit) == 1 and hit[0]["mismatches"] == 1
+    assert hit[0]["first_mismatch"]["first_index"] == 3
+    assert hit[0]["first_mismatch"]["elements_differing"] == 1
+    assert not (tmp_path / "golden").exists()
+
+
+def test_a_fault_on_another_node_or_device_is_ignored(tmp_path: Path) -> None:
+    assert diagnose(tmp_path, "node1", inject=PERSISTENT).exit_code == 0
+    on_gpu3 = "kind=diagnose-gemm,rank=3,step=0,persistent=1"
+    assert diagnose(tmp_path, "node1", inject=on_gpu3).exit_code == 0
+    on_device0 = "kind=diagnose-gemm,rank=0,step=0,persistent=1"
+    assert diagnose(tmp_path, "node1", inject=on_device0).exit_code == EXIT_DIAGNOSIS_FAILED
+
+
+def test_a_node_without_the_state_dir_runs_there_and_is_imported_here(tmp_path: Path) -> None:
+    missing = tmp_path / "not-here"
+    refused = diagnose(missing, "node2")
+    assert refused.exit_code == 1
+    assert "--no-record --json" in refused.output and "--import" in refused.output
+    remote = diagnose(missing, "node2", "--no-record")
+    assert remote.exit_code == 0 and as_json(remote)["recorded"] is None
+    assert not missing.exists()
+    record = tmp_path / "node2.json"
+    record.write_text(remote.output)
+    state = tmp_path / "state"
+    state.mkdir()
+    imported = CliRunner().invoke(
+        main, ["diagnose", "--import", str(record), "--state-dir", str(state), "--json"]
+    )
+    assert imported.exit_code == 0, imported.output
+    assert as_json(imported)["golden"] == GOLDEN_RECORDED
+    assert latest_diagnosis(state, "node2") is not None
+    wrong_node = CliRunner().invoke(
+        main, ["diagnose", "--import", str(record), "--node", "node7", "--state-dir", str(state)]
+    )
+    assert wrong_node.exit_code == 1 and "not node7" in wrong_node.output
+
+
+def test_a_failed_import_is_recorded_as_failed(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    remote = diagnose(tmp_path, "node2", "--no-record", inject=PERSISTENT)
+    assert remote.exit_code == EXIT_DIAGNOSIS_FAILED
+    record = tmp_path / "node2.json"
+    record.write_text(remote.output)
+    imported = CliRunner().invoke(
+        main, ["diagnose", "--import", str(record), "--state-dir", str(state)]
+    )
+    assert imported.exit_code == EXIT_DIAGNOSIS_FAILED
+    assert "FAILED" in imported.output and "column sums" in imported.output
+    latest = latest_diagnosis(state, "node2")
+    assert latest is not None and not latest.passed
+
+
+def test_human_output_names_the_node_and_the_problem(tmp_path: Path) -> None:
+    assert diagnose(tmp_path, "node1").exit_code == 0
+    out = CliRunner().invoke(
+        main,
+        ["diagnose", *SMALL, "--node", "node2", "--state-dir", str(tmp_path)],
+        env={"SLURM_GUARD_INJECT": PERSISTENT},
+    )
+    assert out.exit_code == EXIT_DIAGNOSIS_FAILED
+    assert out.output.startswith("node2: FAILED")
+    assert "result differs from the golden result recorded by node1" in out.output
+    assert "recorded as evidence for node2" in out.output
+
+
+def test_records_are_validated(tmp_path: Path) -> None:
+    d = run_diagnosis(DiagnoseConfig(node="n1", size=8, seeds=1, duration_s=0, threads=1))
+    obj = d.to_json()
+    assert parse_diagnosis(json.loads(json.dumps(obj))) == d
+    with pytest.raises(RecordError, match="newer"):
+        parse_diagnosis({**obj, "schema": 99})
+    with pytest.raises(RecordError, match="cannot name a file"):
+        parse_diagnosis({**obj, "node": "../etc"})
+    with pytest.raises(RecordError, match="checksum_ok"):
+        parse_diagnosis({**obj, "cases": [{**obj["cases"][0], "checksum_ok": "yes"}]})
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(GuardError, match="precision"):
+        DiagnoseConfig(node="n", precisions=("fp8",))
+    with pytest.raises(GuardError, match="no tf32"):
+        run_diagnosis(DiagnoseConfig(node="n", precisions=("tf32",), device="cpu", size=8))
+    assert faults_for_diagnose({"SLURM_GUARD_INJECT": "kind=nan,rank=1,step=2"}) == ()
+    assert faults_for_diagnose({"SLURM_GUARD_INJECT": PERSISTENT}) == parse_faults(PERSISTENT)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_burn_in_is_repeatable_and_within_the_checksum_bound(tmp_path: Path) -> None:
+    d = run_diagnosis(DiagnoseConfig(node="gpu", size=1024, seeds=1, duration_s=2))
+    assert d.passed, d.failures()
+    assert {"fp32", "fp16"} <= {c.precision for c in d.cases}
+    assert d.device["kind"] == "cuda" and d.device["driver"] != "unknown"
