@@ -13,8 +13,22 @@ cluster's daemons nor a recycled PID, and it also finds the ``slurmstepd`` proce
 slurmd double-forks (they inherit slurmd's environment and outlive it).
 
 Standard library only. It is test infrastructure, not part of the package users deploy: it runs
-slurmctld as root with a private MariaDB, which no site wants installed beside its controller.
-The database password is random per cluster (kept mode 600 under the cluster's root).
+a private MariaDB beside the controller, which no site wants. The database password is random
+per cluster (kept mode 600 under the cluster's root).
+
+Two Slurm versions: by default the host's packages (Slurm 22.05 on Debian 12). With
+``chroot=DIR`` (a Debian 13 root built by ``.ci/install_slurm_chroot.sh``, Slurm 24.11) every
+daemon and client runs inside that root, each in a private mount namespace that bind-mounts
+/proc, /dev, /sys, /tmp, the project and the host's Python at the same paths: jobs and the
+EpilogSlurmctld then run the project's code with the host's Python, and nothing stays mounted
+once the cluster's processes are gone. ``env()`` puts small client wrappers (``sbatch``,
+``scontrol``, ``sacct`` ... that enter the root) first on PATH, so every client talking to the
+cluster has the cluster's own version: a 22.05 client does not talk reliably to a 24.11
+controller.
+
+``slurm_user="slurm"`` runs slurmctld, slurmdbd and the EpilogSlurmctld as that user, as a site
+does (state, log and pid directories are given to it), so a controller that cannot read what a
+job's user wrote fails here instead of at a site.
 
 Shell use (daemons stay up after the Python process exits)::
 
@@ -31,6 +45,7 @@ import errno
 import json
 import logging
 import os
+import pwd
 import random
 import secrets
 import shlex
@@ -74,16 +89,131 @@ ACCOUNTING_BINARIES = ("mariadbd", "mariadb-install-db", "mariadb", "slurmdbd", 
 
 _DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
+#: File at the top of a Slurm root that .ci/install_slurm_chroot.sh finished building.
+ROOT_MARKER = ".slurm-guard-root"
+#: File in a cluster's directory of client wrappers: other clusters drop that directory from
+#: the PATH they build, so a client never talks to a cluster of another Slurm version.
+WRAPPER_MARKER = ".slurm-guard-wrappers"
+#: Client programs a chroot cluster wraps (the ones slurm-guard, submitit and the tests call).
+CLIENT_COMMANDS = (
+    "sbatch",
+    "srun",
+    "salloc",
+    "scontrol",
+    "squeue",
+    "sinfo",
+    "sacct",
+    "scancel",
+    "sacctmgr",
+    "sstat",
+    "sattach",
+    "sdiag",
+    "sprio",
+    "sshare",
+)
+#: The repository this file belongs to: jobs run its code, so a chroot cluster mounts it.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+#: Directories never bind-mounted over a Slurm root's own (its programs live there).
+_SYSTEM_DIRS = frozenset(
+    {
+        "/",
+        "/bin",
+        "/boot",
+        "/etc",
+        "/home",
+        "/lib",
+        "/lib64",
+        "/opt",
+        "/root",
+        "/run",
+        "/sbin",
+        "/srv",
+        "/usr",
+        "/usr/bin",
+        "/usr/lib",
+        "/usr/lib64",
+        "/usr/local",
+        "/usr/local/bin",
+        "/usr/local/lib",
+        "/usr/sbin",
+        "/var",
+    }
+)
+#: Mounted first, recursively, at the same paths inside a Slurm root.
+_BASE_BINDS = ("/proc", "/dev", "/sys", "/tmp")
+#: Host files a job needs for name resolution (gloo resolves the host name).
+_FILE_BINDS = ("/etc/hosts", "/etc/resolv.conf", "/etc/hostname")
+
 
 class LocalClusterError(RuntimeError):
     """The local cluster could not be started or managed; the message says which log to read."""
 
 
-def missing_binaries(accounting: bool = True) -> list[str]:
-    """Return the Slurm/MUNGE/MariaDB programs not on PATH (tests skip or fail on these)."""
+def missing_binaries(accounting: bool = True, chroot: Path | None = None) -> list[str]:
+    """Return the Slurm/MUNGE/MariaDB programs missing (tests skip or fail on these).
+
+    With ``chroot`` the programs are looked up inside that Slurm root (and ``unshare`` and
+    ``chroot`` on the host, which enter it).
+    """
     needed = REQUIRED_BINARIES + (ACCOUNTING_BINARIES if accounting else ())
     path = _client_path()
-    return [name for name in needed if shutil.which(name, path=path) is None]
+    if chroot is None:
+        return [name for name in needed if shutil.which(name, path=path) is None]
+    missing = [name for name in ("unshare", "chroot") if shutil.which(name, path=path) is None]
+    if not (Path(chroot) / ROOT_MARKER).exists():
+        missing.append(f"{chroot}/{ROOT_MARKER} (run .ci/install_slurm_chroot.sh {chroot})")
+    return missing + [name for name in needed if _find_in_root(Path(chroot), name) is None]
+
+
+def _find_in_root(root: Path, name: str) -> str | None:
+    """Absolute path (as seen inside ``root``) of program ``name`` in a Slurm root, or None."""
+    for directory in ("/usr/sbin", "/usr/bin", "/sbin", "/bin"):
+        candidate = root / directory.lstrip("/") / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return f"{directory}/{name}"
+    return None
+
+
+def python_binds() -> list[str]:
+    """Host paths that jobs inside a Slurm root need at the same paths: the project and Python.
+
+    Jobs and the EpilogSlurmctld run ``sys.executable`` and the project's code, so the
+    interpreter's prefix (and a venv's), every import path and the repository are mounted.
+    A pyenv installation is mounted whole (its shims call the ``pyenv`` program). System
+    directories are never mounted over the root's own: for a Debian system Python only its
+    own subdirectories and the interpreter file are.
+    """
+    candidates = [
+        sys.prefix,
+        sys.base_prefix,
+        sys.exec_prefix,
+        sys.base_exec_prefix,
+        str(REPO_ROOT),
+        *(p for p in sys.path if p),
+    ]
+    base = Path(sys.base_prefix)
+    if base.parent.name == "versions" and (base.parent.parent / "shims").is_dir():
+        candidates.append(str(base.parent.parent))
+    paths: list[Path] = []
+    for candidate in candidates:
+        path = Path(candidate).resolve()
+        if path.is_dir() and str(path) not in _SYSTEM_DIRS:
+            paths.append(path)
+    exe = Path(sys.executable)
+    for path in (exe, exe.resolve()):
+        if path.exists():
+            paths.append(path)
+    return _outermost(paths, already=[Path(p) for p in _BASE_BINDS])
+
+
+def _outermost(paths: Sequence[Path], already: Sequence[Path] = ()) -> list[str]:
+    """Sorted unique paths, dropping any that lies inside another one (or inside ``already``)."""
+    kept: list[Path] = []
+    for path in sorted(set(paths), key=lambda p: (len(p.parts), str(p))):
+        if any(path == k or k in path.parents for k in [*already, *kept]):
+            continue
+        kept.append(path)
+    return [str(p) for p in kept]
 
 
 def port_span(nodes: int, accounting: bool = True) -> int:
@@ -126,8 +256,15 @@ def _port_is_open(port: int) -> bool:
 
 
 def _client_path() -> str:
-    """PATH that surely contains the sbin directories (daemons live there on Debian)."""
-    parts = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    """PATH that surely contains the sbin directories (daemons live there on Debian).
+
+    Client wrappers of chroot clusters are left out: each cluster puts its own first.
+    """
+    parts = [
+        p
+        for p in os.environ.get("PATH", "").split(os.pathsep)
+        if p and not os.path.exists(os.path.join(p, WRAPPER_MARKER))
+    ]
     for extra in _DEFAULT_PATH.split(os.pathsep):
         if extra not in parts:
             parts.append(extra)
@@ -144,6 +281,14 @@ def _poll(predicate: Callable[[], bool], timeout: float, interval: float = 0.05)
             return False
         time.sleep(interval)
         interval = min(interval * 1.5, 0.5)
+
+
+def _write_script(path: Path, text: str) -> None:
+    """Atomically write an executable script (slurmctld may be running the old one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    tmp.replace(path)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -206,6 +351,10 @@ class LocalCluster:
         cred_expire: Credential lifetime; also the delay before a requeued job may restart.
         cpus_per_node: CPUs each node advertises (config_overrides ignores the real count).
         cluster_name: Slurm ClusterName.
+        chroot: A Slurm root built by ``.ci/install_slurm_chroot.sh`` (Slurm 24.11) to run
+            every daemon, job and client in; None uses the host's Slurm.
+        slurm_user: SlurmUser: the account slurmctld, slurmdbd and the EpilogSlurmctld run
+            as. ``root`` hides permission problems a site has; a missing user is created.
     """
 
     def __init__(
@@ -218,6 +367,8 @@ class LocalCluster:
         cred_expire: int = MIN_CRED_EXPIRE_S,
         cpus_per_node: int = 2,
         cluster_name: str = "ci",
+        chroot: Path | None = None,
+        slurm_user: str = "root",
     ) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
@@ -235,6 +386,10 @@ class LocalCluster:
         self.cred_expire = cred_expire
         self.cpus_per_node = cpus_per_node
         self.cluster_name = cluster_name
+        self.chroot: Path | None = Path(chroot).absolute() if chroot is not None else None
+        if not slurm_user or not slurm_user.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"invalid slurm_user {slurm_user!r}")
+        self.slurm_user = slurm_user
         self._popen: list[subprocess.Popen[bytes]] = []
 
     # ----------------------------------------------------------------- layout
@@ -276,9 +431,34 @@ class LocalCluster:
     def _mysql_socket(self) -> Path:
         return self.root / "run" / "mysqld.sock"
 
+    @property
+    def bin_dir(self) -> Path:
+        """Client wrappers of a chroot cluster (first on the PATH env() gives)."""
+        return self.root / "bin"
+
+    @property
+    def _enter_script(self) -> Path:
+        return self.bin_dir / "in-root"
+
     def env(self) -> dict[str, str]:
         """Environment variables a Slurm client (scontrol, sbatch, submitit) needs."""
-        return {"SLURM_CONF": str(self.conf_path), "PATH": _client_path()}
+        path = _client_path()
+        if self.chroot is not None:
+            path = os.pathsep.join([str(self.bin_dir), path])
+        return {"SLURM_CONF": str(self.conf_path), "PATH": path}
+
+    def _cmd(self, argv: Sequence[str]) -> list[str]:
+        """argv as run for this cluster: unchanged on the host, else entered into the root."""
+        if self.chroot is None:
+            return list(argv)
+        program = _find_in_root(self.chroot, argv[0]) if "/" not in argv[0] else argv[0]
+        if program is None:
+            raise LocalClusterError(f"{argv[0]} is not installed in {self.chroot}")
+        return [str(self._enter_script), program, *argv[1:]]
+
+    def slurm_version(self) -> str:
+        """The cluster's Slurm version as its clients report it (``slurm 24.11.5``)."""
+        return self._run_client(["sinfo", "--version"], "sinfo --version").stdout.strip()
 
     def _daemon_env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -298,7 +478,7 @@ class LocalCluster:
             f"ClusterName={self.cluster_name}",
             "SlurmctldHost=localhost",
             f"SlurmctldPort={p.slurmctld}",
-            "SlurmUser=root",
+            f"SlurmUser={self.slurm_user}",
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
@@ -358,7 +538,7 @@ class LocalCluster:
             f"AuthInfo=socket={self.munge_socket}\n"
             "DbdHost=localhost\n"
             f"DbdPort={p.slurmdbd}\n"
-            "SlurmUser=root\n"
+            f"SlurmUser={self.slurm_user}\n"
             f"PidFile={r}/run/slurmdbd.pid\n"
             f"LogFile={r}/log/slurmdbd.log\n"
             "StorageType=accounting_storage/mysql\n"
@@ -410,20 +590,118 @@ class LocalCluster:
         with os.fdopen(fd, "wb") as f:
             f.write(os.urandom(1024))
         self.conf_path.write_text(self._slurm_conf())
+        uid, gid = self._slurm_ids()
         if self.accounting:
             dbd_conf = self.conf_path.with_name("slurmdbd.conf")
             fd = os.open(dbd_conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(self._slurmdbd_conf())
+            os.chown(dbd_conf, uid, gid)  # slurmdbd insists on mode 600 owned by SlurmUser
+        # slurmctld writes state, its log and its pid file as SlurmUser.
+        for sub in ("state", "log", "run"):
+            os.chown(self.root / sub, uid, gid)
         self.write_epilog(self.epilog_command)
+        if self.chroot is not None:
+            self._write_wrappers()
+
+    def _slurm_ids(self) -> tuple[int, int]:
+        """uid and gid of SlurmUser where the daemons run (the root's passwd for a chroot)."""
+        if self.slurm_user == "root":
+            return 0, 0
+        ids = self._lookup_user()
+        if ids is None:
+            # A site's packages create this user; a bare CI machine may not have it.
+            self._run_client(
+                [
+                    "useradd",
+                    "--system",
+                    "--no-create-home",
+                    "--home-dir",
+                    "/nonexistent",
+                    "--shell",
+                    "/usr/sbin/nologin",
+                    self.slurm_user,
+                ],
+                f"create user {self.slurm_user}",
+            )
+            ids = self._lookup_user()
+        if ids is None:
+            raise LocalClusterError(f"user {self.slurm_user} missing after useradd")
+        return ids
+
+    def _lookup_user(self) -> tuple[int, int] | None:
+        if self.chroot is None:
+            try:
+                entry = pwd.getpwnam(self.slurm_user)
+            except KeyError:
+                return None
+            return entry.pw_uid, entry.pw_gid
+        for line in (self.chroot / "etc" / "passwd").read_text().splitlines():
+            fields = line.split(":")
+            if len(fields) >= 4 and fields[0] == self.slurm_user:
+                return int(fields[2]), int(fields[3])
+        return None
+
+    def _write_wrappers(self) -> None:
+        """The script that enters the Slurm root, and one client wrapper per Slurm command."""
+        assert self.chroot is not None
+        root = str(self.chroot)
+        q = shlex.quote
+        binds = _outermost(
+            [*(Path(b) for b in python_binds()), self.root], [Path(b) for b in _BASE_BINDS]
+        )
+        mounts = [f"mount --rbind {q(b)} {q(root + b)}" for b in (*_BASE_BINDS, *binds)]
+        for path in (*_BASE_BINDS, *binds):
+            self._make_mount_point(Path(path), file=Path(path).is_file())
+        for path in _FILE_BINDS:
+            if Path(path).is_file():
+                self._make_mount_point(Path(path), file=True)
+                mounts.append(f"mount --bind {q(path)} {q(root + path)}")
+        # Inside the root: back to the caller's directory (sbatch takes it as the job's).
+        inner = 'cd "$1" 2>/dev/null || cd /; shift; exec "$@"'
+        namespace = (
+            "\n".join(mounts)
+            + f'\nwd=$(pwd)\nexec chroot {q(root)} /bin/sh -c {q(inner)} in-root "$wd" "$@"\n'
+        )
+        self.bin_dir.mkdir(exist_ok=True)
+        self.bin_dir.chmod(0o755)
+        (self.bin_dir / WRAPPER_MARKER).write_text(f"{root}\n")
+        _write_script(
+            self._enter_script,
+            "#!/bin/sh\n"
+            "# Written by tests/support/local_cluster.py: run a program of the Slurm root\n"
+            f"# {root} with the host's /proc, /dev, /sys, /tmp, project and Python at the same\n"
+            "# paths, in a private mount namespace (the mounts go away with the last process).\n"
+            # Already inside (a job, the EpilogSlurmctld): just run it.
+            f'if [ -e /{ROOT_MARKER} ]; then exec "$@"; fi\n'
+            "exec unshare --mount --propagation private -- "
+            f'/bin/sh -e -c {q(namespace)} in-root "$@"\n',
+        )
+        for name in CLIENT_COMMANDS:
+            program = _find_in_root(self.chroot, name)
+            if program is not None:
+                _write_script(
+                    self.bin_dir / name,
+                    f'#!/bin/sh\nexec {q(str(self._enter_script))} {q(program)} "$@"\n',
+                )
+
+    def _make_mount_point(self, path: Path, file: bool) -> None:
+        """Create ``path`` inside the root (a bind mount needs a target of the same kind)."""
+        assert self.chroot is not None
+        target = self.chroot / path.relative_to("/")
+        real = Path(os.path.realpath(target))
+        if real != self.chroot and self.chroot not in real.parents:
+            raise LocalClusterError(f"{target} leads out of the Slurm root (to {real})")
+        if file:
+            real.parent.mkdir(parents=True, exist_ok=True)
+            real.touch(exist_ok=True)
+        else:
+            real.mkdir(parents=True, exist_ok=True)
 
     def write_epilog(self, command: Sequence[str] | None) -> None:
         """(Re)write the EpilogSlurmctld script; slurmctld reads it anew for every job."""
         self.epilog_command = tuple(command) if command is not None else None
-        tmp = self.epilog_path.with_suffix(".tmp")
-        tmp.write_text(self._epilog_script())
-        tmp.chmod(0o755)
-        tmp.replace(self.epilog_path)
+        _write_script(self.epilog_path, self._epilog_script())
 
     # ----------------------------------------------------------------- running
 
@@ -432,7 +710,7 @@ class LocalCluster:
         log = self.log_dir / log_name
         with open(log, "ab") as out:
             proc = subprocess.Popen(
-                list(argv),
+                self._cmd(argv),
                 env=self._daemon_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -477,11 +755,22 @@ class LocalCluster:
         return pid
 
     def _check_preconditions(self) -> None:
-        missing = missing_binaries(self.accounting)
+        missing = missing_binaries(self.accounting, self.chroot)
         if missing:
+            script = "install_slurm.sh" if self.chroot is None else "install_slurm_chroot.sh"
             raise LocalClusterError(
-                f"missing programs {', '.join(missing)}: run .ci/install_slurm.sh (as root)"
+                f"missing programs {', '.join(missing)}: run .ci/{script} (as root)"
             )
+        if self.slurm_user != "root":
+            # SlurmUser must reach the cluster's files and run the EpilogSlurmctld.
+            self.root.chmod(0o755)
+            for parent in self.root.parents:
+                if not parent.stat().st_mode & 0o001:
+                    raise LocalClusterError(
+                        f"SlurmUser={self.slurm_user} cannot enter {parent} (mode "
+                        f"{parent.stat().st_mode & 0o777:o}), on the way to {self.root}: "
+                        "put the cluster elsewhere or run chmod o+x on it"
+                    )
         if self.running_pids():
             raise LocalClusterError(
                 f"a cluster is already running in {self.root}; stop it first "
@@ -526,6 +815,7 @@ class LocalCluster:
         self._check_preconditions()
         self._write_configs()
         self._save_state({})
+        self._check_python()
         try:
             pids = self._start_daemons(deadline)
             self._save_state(pids)
@@ -539,6 +829,35 @@ class LocalCluster:
             self.root,
             self.port_base,
         )
+
+    def _check_python(self) -> None:
+        """Fail early, with the reason, when jobs or the epilog could not run this Python.
+
+        Inside a Slurm root the host's Python loads the root's shared libraries; with a
+        non-root SlurmUser the EpilogSlurmctld must be able to reach the interpreter and the
+        project (a Python under a mode-700 /root cannot be).
+        """
+        check = "import ctypes, ssl, sqlite3, lzma, bz2, zlib, json"
+        argv = [sys.executable, "-c", check]
+        if self.slurm_user != "root":
+            uid, gid = self._slurm_ids()
+            probe = f"{check}; import os; os.listdir({str(REPO_ROOT)!r})"
+            argv = [
+                "setpriv",
+                f"--reuid={uid}",
+                f"--regid={gid}",
+                "--clear-groups",
+                sys.executable,
+                "-c",
+                probe,
+            ]
+        result = self._run_client(argv, "check Python", check=False)
+        if result.returncode != 0:
+            where = f" inside {self.chroot}" if self.chroot is not None else ""
+            raise LocalClusterError(
+                f"{sys.executable} cannot run as {self.slurm_user}{where}, so jobs or the "
+                f"EpilogSlurmctld would fail: {result.stderr.strip()[-1500:]}"
+            )
 
     def _start_daemons(self, deadline: float) -> dict[str, int]:
         def left() -> float:
@@ -611,14 +930,16 @@ class LocalCluster:
         shutil.rmtree(datadir, ignore_errors=True)
         log = self.log_dir / "mariadb.log"
         install = subprocess.run(
-            [
-                "mariadb-install-db",
-                "--no-defaults",
-                f"--datadir={datadir}",
-                "--user=root",
-                "--auth-root-authentication-method=socket",
-                "--skip-test-db",
-            ],
+            self._cmd(
+                [
+                    "mariadb-install-db",
+                    "--no-defaults",
+                    f"--datadir={datadir}",
+                    "--user=root",
+                    "--auth-root-authentication-method=socket",
+                    "--skip-test-db",
+                ]
+            ),
             env=self._daemon_env(),
             stdin=subprocess.DEVNULL,
             capture_output=True,
@@ -684,7 +1005,7 @@ class LocalCluster:
         del env[MARKER_ENV]  # short-lived clients must never look like our daemons
         try:
             result = subprocess.run(
-                list(argv),
+                self._cmd(argv),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 capture_output=True,
@@ -777,6 +1098,8 @@ class LocalCluster:
             "cpus_per_node": self.cpus_per_node,
             "cluster_name": self.cluster_name,
             "epilog_command": list(self.epilog_command) if self.epilog_command else None,
+            "chroot": str(self.chroot) if self.chroot is not None else None,
+            "slurm_user": self.slurm_user,
             "pids": dict(pids),
         }
         tmp = self.state_path.with_suffix(".tmp")
@@ -803,6 +1126,8 @@ class LocalCluster:
             cred_expire=int(state.get("cred_expire", MIN_CRED_EXPIRE_S)),
             cpus_per_node=int(state.get("cpus_per_node", 2)),
             cluster_name=str(state.get("cluster_name", "ci")),
+            chroot=Path(state["chroot"]) if state.get("chroot") else None,
+            slurm_user=str(state.get("slurm_user", "root")),
         )
 
     def _state_pids(self) -> dict[str, int]:
@@ -898,7 +1223,9 @@ class LocalCluster:
     def __repr__(self) -> str:
         return (
             f"LocalCluster(root={str(self.root)!r}, nodes={self.nodes}, "
-            f"port_base={self.port_base}, accounting={self.accounting})"
+            f"port_base={self.port_base}, accounting={self.accounting}, "
+            f"chroot={str(self.chroot) if self.chroot else None!r}, "
+            f"slurm_user={self.slurm_user!r})"
         )
 
 
@@ -930,6 +1257,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--epilog-command", default=None, help="command line EpilogSlurmctld execs (shell words)"
     )
     start.add_argument("--timeout", type=float, default=DEFAULT_START_TIMEOUT_S)
+    start.add_argument(
+        "--chroot",
+        type=Path,
+        default=None,
+        help="run Slurm from this root (.ci/install_slurm_chroot.sh builds one with 24.11)",
+    )
+    start.add_argument(
+        "--slurm-user", default="root", help="SlurmUser (slurmctld and its epilog run as it)"
+    )
     for name, text in (
         ("stop", "stop the cluster in DIR (safe if already stopped)"),
         ("env", "print export lines for SLURM_CONF and PATH (use with eval)"),
@@ -945,6 +1281,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             port_base = args.port_base
             if port_base is None:
                 port_base = find_free_port_base(args.nodes, accounting)
+            chroot = args.chroot.absolute() if args.chroot is not None else None
             cluster = LocalCluster(
                 args.dir,
                 nodes=args.nodes,
@@ -954,12 +1291,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if args.epilog_command is not None
                 else None,
                 cred_expire=args.cred_expire,
+                chroot=chroot,
+                slurm_user=args.slurm_user,
             )
             began = time.monotonic()
             cluster.start(timeout=args.timeout)
             print(
                 f"local Slurm cluster running in {cluster.root} "
-                f"(port base {cluster.port_base}, {time.monotonic() - began:.1f} s)",
+                f"(port base {cluster.port_base}, {time.monotonic() - began:.1f} s, "
+                f"{cluster.slurm_version()}, SlurmUser={cluster.slurm_user}"
+                + (f", root {cluster.chroot}" if cluster.chroot else "")
+                + ")",
                 file=sys.stderr,
             )
             for line in _env_lines(cluster):
