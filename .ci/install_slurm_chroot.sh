@@ -26,6 +26,16 @@ if [[ $(id -u) -ne 0 ]]; then
     echo "install_slurm_chroot: need root (debootstrap, mount, chroot)" >&2
     exit 1
 fi
+if [[ -z "${SLURM_GUARD_IN_NAMESPACE:-}" ]]; then
+    # Two checks on one machine may share a cached root: one builds, the other waits.
+    mkdir -p "$(dirname "$root")"
+    exec 9>"$root.lock"
+    flock 9
+    if [[ -e "$marker" ]]; then
+        echo "install_slurm_chroot: $root is ready ($(cat "$marker"))"
+        exit 0
+    fi
+fi
 case "$root" in
     / | /usr | /usr/* | /etc | /etc/* | /var | /bin | /bin/* | /lib | /lib/*)
         echo "install_slurm_chroot: refusing to build a root in $root" >&2
