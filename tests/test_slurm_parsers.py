@@ -247,3 +247,43 @@ def test_sbatch_parsable() -> None:
 def test_slurm_version() -> None:
     assert parse_slurm_version("slurm-wlm 22.05.8\n") == (22, 5, 8)
     assert parse_slurm_version("slurm 24.11.5") == (24, 11, 5)
+
+
+# 24.11 after `scontrol update State=RESUME` of NODE_2411: the state is back to IDLE but the
+# reason stays, as seen on a real 24.11.5 cluster (22.05 clears it).
+NODE_2411_RESUMED = NODE_2411.replace("State=IDLE+DRAIN", "State=IDLE")
+
+
+def test_node_2411_resumed_keeps_reason_that_means_nothing() -> None:
+    node = parse_node(NODE_2411_RESUMED)
+    assert node.states == {"IDLE"}
+    assert node.reason == "slurm-guard: SDC Rank=3 Step=7"  # still printed by 24.11
+    assert not node.out_of_service
+    assert node.effective_reason is None
+
+
+@pytest.mark.parametrize(
+    "state", ["IDLE+DRAIN", "MIXED+DRAIN", "ALLOCATED+DRAIN", "IDLE+FAIL", "DOWN", "DOWN*"]
+)
+def test_node_2411_reason_in_force_while_out_of_service(state: str) -> None:
+    node = parse_node(NODE_2411.replace("State=IDLE+DRAIN", f"State={state}"))
+    assert node.out_of_service
+    assert node.effective_reason == "slurm-guard: SDC Rank=3 Step=7"
+
+
+@pytest.mark.parametrize("state", ["IDLE", "MIXED", "ALLOCATED", "IDLE+COMPLETING", "IDLE+CLOUD"])
+def test_node_reason_ignored_in_service(state: str) -> None:
+    node = parse_node(NODE_2411.replace("State=IDLE+DRAIN", f"State={state}"))
+    assert node.effective_reason is None
+
+
+def test_recorded_22_05_reasons_are_in_force() -> None:
+    for name in (
+        "node_drained_reason_spaces.txt",
+        "node_draining_or_mixed_drain.txt",
+        "node_idle_fail.txt",
+        "node_down_not_responding.txt",
+    ):
+        node = parse_node(read(name))
+        assert node.effective_reason == node.reason and node.reason, name
+    assert parse_node(read("node_idle.txt")).effective_reason is None

@@ -29,6 +29,9 @@ Differences 22.05 (recorded, ``tests/data/slurm-22.05``) vs 24.11 (from Slurm's
   (``MailUser= MailType=``, ``TresPerTask=``, ``NtasksPerTRES=``, ``Container=``...). The
   fields slurm-guard reads (JobId, JobName, UserId, JobState, Reason, Requeue, Restarts,
   ExitCode, ExcNodeList, NodeList, WorkDir, Priority) have the same form in both.
+* node ``Reason``: 24.11 keeps it after ``scontrol update State=RESUME`` (the node reads
+  ``State=IDLE ... Reason=... [user@time]``); 22.05 clears it. Only ``NodeInfo.effective_reason``
+  (the reason while the node is drained, failing or down) means anything.
 * ``State=`` for nodes is ``BASE+FLAG+FLAG`` (``IDLE+DRAIN``, ``DOWN+NOT_RESPONDING``) on
   both; ``sinfo`` instead uses short lower-case names with suffix symbols (``down*``,
   ``drng``, ``idle~``), which parse_node_states() also accepts.
@@ -114,6 +117,23 @@ class NodeInfo:
     @property
     def responding(self) -> bool:
         return "NOT_RESPONDING" not in self.states
+
+    @property
+    def out_of_service(self) -> bool:
+        """Drained, draining, failed or down: the states in which a node's reason is in force."""
+        return self.drained or self.failed or self.down
+
+    @property
+    def effective_reason(self) -> str | None:
+        """The reason, only while it holds the node out of service; else None.
+
+        Slurm 24.11 keeps a node's ``Reason`` after ``State=RESUME`` (``State=IDLE ...
+        Reason=...``), where 22.05 clears it. A leftover reason on a node in service says
+        nothing: reading it as "drained" kept resumed nodes listed by ``review`` and made the
+        controller leave a corrupting node in service because an old maintenance reason was
+        still attached to it.
+        """
+        return self.reason if self.out_of_service else None
 
 
 # A key starts a new field only when preceded by whitespace or the line start.
