@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -233,6 +233,61 @@ def _run(
         raise click.ClickException(str(exc)) from None
 
 
+@click.command("report")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("report.html"),
+    show_default=True,
+    help="The HTML file to write.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print a summary as JSON.")
+def report_cmd(run_dir: Path, output: Path, as_json: bool) -> None:
+    """Write a run's timeline as one self-contained HTML page.
+
+    A plot over steps of the loss (where the ledger has it), the verification results by
+    check, the checkpoints, the alarm, the rollback and each restart, then the records as
+    tables. Reads only the run directory. The plot needs matplotlib
+    (pip install 'slurm-guard[report]'); without it the page has the tables only.
+
+    Example:
+
+        \b
+        slurm-guard report /shared/runs/llama-7b -o llama-7b.html
+    """
+    from slurm_guard.report import ReportError, matplotlib_available, write_report
+
+    try:
+        timeline = write_report(run_dir, output)
+    except ReportError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {output}: {exc}") from None
+    summary: dict[str, Any] = {
+        "output": str(output),
+        "plot": matplotlib_available(),
+        "alarms": [a.alarm_id for a in timeline.alarms],
+        "restarts": len(timeline.restarts) - 1 if timeline.restarts else 0,
+        "checks": len(timeline.checks),
+        "loss_points": len(timeline.losses),
+        "problems": timeline.problems,
+    }
+    if as_json:
+        click.echo(json.dumps(summary, indent=2, sort_keys=True))
+        return
+    click.echo(
+        f"wrote {output}: {summary['checks']} verification results, "
+        f"{len(summary['alarms'])} alarm(s), {summary['restarts']} restart(s)"
+    )
+    if not summary["plot"]:
+        click.echo("no plot: matplotlib is not installed (pip install 'slurm-guard[report]')")
+    for problem in timeline.problems:
+        click.echo(f"unreadable record (shown on the page): {problem}")
+
+
 def register_evidence_commands(group: click.Group) -> None:
     """Attach `diagnose` and `report` to the top-level group."""
     group.add_command(diagnose_cmd)
+    group.add_command(report_cmd)

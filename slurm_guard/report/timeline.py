@@ -1,0 +1,273 @@
+"""What happened to one run, read back from its run directory in step order.
+
+The run directory already holds the whole story (docs/formats.md): the ledger has every
+verification result, `alarms/` what stopped the run, `handled/` each rollback, `checkpoints/`
+and `quarantine/` what was saved and what was moved aside, and the example trainer's
+`train-events.jsonl` each start. This module only gathers them into one structure; drawing
+is `plot`'s job and the page is `html`'s, so the reading can be tested without matplotlib.
+
+Files are untrusted and may be damaged; an unreadable one becomes a line in `problems`, shown
+on the page, never an exception that hides the rest of the story.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from slurm_guard.records import Alarm, RecordError, read_alarm, read_json_file, read_ledger
+
+CHECKPOINT_PREFIX = "step-"
+EVENTS_FILE = "train-events.jsonl"  # written by slurm_guard.examples.train; optional
+
+
+class ReportError(RuntimeError):
+    """The run directory cannot be reported on; the message says why."""
+
+
+@dataclass(frozen=True)
+class Check:
+    """One verification result from the ledger."""
+
+    step: int
+    check: str
+    passed: bool
+    restart_count: int
+    time: float
+    alarm_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    step: int
+    restart_count: int | None
+    clean_vote: bool
+    created: float | None
+    quarantined_by: str | None = None  # the alarm whose rollback moved it aside
+
+
+@dataclass(frozen=True)
+class Rollback:
+    """A requeued run went back to a trusted checkpoint after an alarm."""
+
+    alarm_id: str
+    resumed_from_step: int | None
+    restart_count: int | None
+    quarantined: tuple[str, ...]
+    time: float | None
+
+
+@dataclass(frozen=True)
+class Start:
+    """One start of the job (the first run or a restart)."""
+
+    restart_count: int
+    step: int
+    job_id: str | None
+    nodes: tuple[str, ...]
+    time: float | None
+
+
+@dataclass
+class Timeline:
+    run_dir: Path
+    run: dict[str, Any]
+    checks: list[Check] = field(default_factory=list)
+    losses: list[tuple[int, float, int]] = field(default_factory=list)  # step, loss, restart
+    alarms: list[Alarm] = field(default_factory=list)
+    rollbacks: list[Rollback] = field(default_factory=list)
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    starts: list[Start] = field(default_factory=list)
+    finished_step: int | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def restarts(self) -> list[int]:
+        """Every restart count seen, from any source, in order."""
+        seen = {c.restart_count for c in self.checks} | {s.restart_count for s in self.starts}
+        seen |= {a.restart_count for a in self.alarms}
+        seen |= {r.restart_count for r in self.rollbacks if r.restart_count is not None}
+        return sorted(seen)
+
+    def segments(self) -> list[tuple[int, int, int]]:
+        """(restart, first step, last step) of each run, from its start to its last record."""
+        out = []
+        for r in self.restarts:
+            steps = [c.step for c in self.checks if c.restart_count == r]
+            steps += [a.step for a in self.alarms if a.restart_count == r]
+            steps += [s.step for s in self.starts if s.restart_count == r]
+            steps += [x for x, _, rc in self.losses if rc == r]
+            steps += [c.step for c in self.checkpoints if c.restart_count == r]
+            if r == max(self.restarts) and self.finished_step is not None:
+                steps.append(self.finished_step)
+            if steps:
+                out.append((r, min(steps), max(steps)))
+        return out
+
+    def check_names(self) -> list[str]:
+        names = dict.fromkeys(c.check for c in self.checks)
+        for a in self.alarms:
+            names.setdefault(a.check)
+        return list(names)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    f = float(value)
+    return f if math.isfinite(f) else None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _read_events(path: Path, problems: list[str]) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    try:
+        with open(path, "rb") as f:
+            for raw in f:
+                try:
+                    obj = json.loads(raw)
+                except (ValueError, RecursionError):
+                    continue  # a torn last line
+                if isinstance(obj, dict):
+                    out.append(obj)
+    except OSError as exc:
+        problems.append(f"{path}: {exc.strerror}")
+    return out
+
+
+def _checkpoint(meta_path: Path, quarantined_by: str | None) -> Checkpoint | None:
+    obj = read_json_file(meta_path)
+    if not isinstance(obj, dict) or _int(obj.get("step")) is None:
+        raise RecordError(f"{meta_path}: not checkpoint metadata")
+    return Checkpoint(
+        step=int(obj["step"]),
+        restart_count=_int(obj.get("restart_count")),
+        clean_vote=obj.get("clean_vote") is True,
+        created=_number(obj.get("created")),
+        quarantined_by=quarantined_by,
+    )
+
+
+def _checkpoints_in(
+    directory: Path, quarantined_by: str | None, problems: list[str]
+) -> list[Checkpoint]:
+    out: list[Checkpoint] = []
+    if not directory.is_dir():
+        return out
+    for sub in sorted(directory.iterdir()):
+        if not sub.name.startswith(CHECKPOINT_PREFIX) or not (sub / "meta.json").exists():
+            continue  # unfinished saves have no meta.json
+        try:
+            ckpt = _checkpoint(sub / "meta.json", quarantined_by)
+        except RecordError as exc:
+            problems.append(str(exc))
+            continue
+        if ckpt is not None:
+            out.append(ckpt)
+    return out
+
+
+def read_timeline(run_dir: Path) -> Timeline:
+    """Everything the run directory says, gathered for the report."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ReportError(f"{run_dir}: not a directory; give the run directory of a guarded job")
+    problems: list[str] = []
+    run: dict[str, Any] = {}
+    if (run_dir / "run.json").exists():
+        try:
+            obj = read_json_file(run_dir / "run.json")
+            run = obj if isinstance(obj, dict) else {}
+        except RecordError as exc:
+            problems.append(str(exc))
+    ledger = read_ledger(run_dir / "ledger.jsonl")
+    if not ledger and not (run_dir / "alarms").is_dir() and not run:
+        raise ReportError(
+            f"{run_dir}: no run.json, ledger.jsonl or alarms/: not a slurm-guard run directory"
+        )
+    t = Timeline(run_dir=run_dir, run=run, problems=problems)
+    for e in ledger:
+        alarm_id = e.detail.get("alarm")
+        t.checks.append(
+            Check(
+                step=e.step,
+                check=e.check,
+                passed=e.passed,
+                restart_count=e.restart_count,
+                time=e.time,
+                alarm_id=str(alarm_id) if alarm_id is not None else None,
+            )
+        )
+        loss = _number(e.detail.get("loss"))
+        if loss is not None:
+            t.losses.append((e.step, loss, e.restart_count))
+    alarms_dir = run_dir / "alarms"
+    if alarms_dir.is_dir():
+        for path in sorted(alarms_dir.glob("*.json")):
+            try:
+                t.alarms.append(read_alarm(path))
+            except RecordError as exc:
+                problems.append(str(exc))
+    t.alarms.sort(key=lambda a: (a.restart_count, a.step, a.created))
+    handled = run_dir / "handled"
+    if handled.is_dir():
+        for path in sorted(handled.glob("*.json")):
+            try:
+                obj = read_json_file(path)
+            except RecordError as exc:
+                problems.append(str(exc))
+                continue
+            if not isinstance(obj, dict):
+                problems.append(f"{path}: expected a JSON object")
+                continue
+            quarantined = obj.get("quarantined")
+            t.rollbacks.append(
+                Rollback(
+                    alarm_id=str(obj.get("alarm_id", path.stem)),
+                    resumed_from_step=_int(obj.get("resumed_from_step")),
+                    restart_count=_int(obj.get("restart_count")),
+                    quarantined=tuple(str(q) for q in quarantined)
+                    if isinstance(quarantined, list)
+                    else (),
+                    time=_number(obj.get("time")),
+                )
+            )
+    t.rollbacks.sort(key=lambda r: r.time or 0.0)
+    t.checkpoints = _checkpoints_in(run_dir / "checkpoints", None, problems)
+    quarantine = run_dir / "quarantine"
+    if quarantine.is_dir():
+        for sub in sorted(quarantine.iterdir()):
+            if sub.is_dir():
+                t.checkpoints += _checkpoints_in(sub, sub.name, problems)
+    t.checkpoints.sort(key=lambda c: (c.step, c.created or 0.0))
+    for ev in _read_events(run_dir / EVENTS_FILE, problems):
+        step = _int(ev.get("step"))
+        kind = ev.get("event")
+        if step is None:
+            continue
+        loss = _number(ev.get("loss"))
+        if loss is not None:
+            t.losses.append((step, loss, _int(ev.get("restart_count")) or 0))
+        if kind == "start":
+            nodes = ev.get("nodes")
+            t.starts.append(
+                Start(
+                    restart_count=_int(ev.get("restart_count")) or 0,
+                    step=step,
+                    job_id=str(ev["job_id"]) if ev.get("job_id") is not None else None,
+                    nodes=tuple(str(n) for n in nodes) if isinstance(nodes, list) else (),
+                    time=_number(ev.get("time")),
+                )
+            )
+        elif kind == "finish":
+            t.finished_step = step
+    t.losses.sort(key=lambda x: (x[2], x[0]))
+    return t
