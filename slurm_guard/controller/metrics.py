@@ -170,8 +170,9 @@ def families(
             "Nodes out of service with a reason slurm-guard wrote, by state (drain or fail).",
             labels=["state"],
         )
-        ours = [n for n in nodes if n.reason and n.reason.startswith(REASON_PREFIX)]
-        failed_nodes = sum(1 for n in ours if "FAIL" in n.states)
+        # Slurm 24.11 keeps the reason of a resumed node: count only nodes it still holds out.
+        ours = [n for n in nodes if (n.effective_reason or "").startswith(REASON_PREFIX)]
+        failed_nodes = sum(1 for n in ours if n.failed)
         drained.add_metric(["fail"], failed_nodes)
         drained.add_metric(["drain"], len(ours) - failed_nodes)
         out.append(drained)
