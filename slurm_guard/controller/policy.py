@@ -14,6 +14,7 @@ from typing import Any
 
 from slurm_guard.protocol import REASON_PREFIX
 from slurm_guard.records import Alarm, RecordError, read_json_file
+from slurm_guard.slurm.parsers import NodeInfo
 
 """Every drain reason we write starts with this; we only ever touch nodes whose reason does."""
 
@@ -131,8 +132,19 @@ class Decision:
 
 
 def foreign_reason(reason: str | None) -> bool:
-    """A node reason set by anything but slurm-guard: such a node is never touched."""
+    """A node reason set by anything but slurm-guard: such a node is never touched.
+
+    Pass the reason in force (`NodeInfo.effective_reason`), not the raw one: Slurm 24.11 keeps
+    a resumed node's old reason, and an admin's long-finished maintenance note must not stop
+    slurm-guard from draining a node that corrupts training now.
+    """
     return bool(reason) and not str(reason).startswith(REASON_PREFIX)
+
+
+def foreign_node(node: NodeInfo) -> bool:
+    """The node is held out of service by someone else (drained, failed or down with a reason
+    slurm-guard did not write): never touched."""
+    return foreign_reason(node.effective_reason)
 
 
 def drain_reason(alarm: Alarm) -> str:
