@@ -47,12 +47,21 @@ class Policy:
         max_drains: circuit breaker, automatic drains allowed per `window_s`. Past it, alarms wait
             for approval: a fleet-wide cause (a bad driver roll-out) must not empty the cluster.
         window_s: the circuit-breaker window in seconds.
+        retire_after: a node with this many confirmed alarms (sdc, drained or approved) within
+            `retire_days` days is one to retire: `review` says so and `review return` refuses it
+            without --force. None: no such rule.
+        retire_days: the window of `retire_after`, in days.
+        metrics_file: where the controller writes its Prometheus textfile after every pass
+            (node_exporter's --collector.textfile.directory, a name ending in .prom); None: none.
     """
 
     mode: str = AUTO
     ambiguous: str = AMBIGUOUS_HOLD
     max_drains: int = 3
     window_s: float = 3600.0
+    retire_after: int | None = None
+    retire_days: float = 30.0
+    metrics_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in (AUTO, APPROVE):
@@ -63,6 +72,12 @@ class Policy:
             )
         if self.max_drains < 0 or self.window_s <= 0:
             raise PolicyError("max_drains must be >= 0 and window_s > 0")
+        if (self.retire_after is not None and self.retire_after < 1) or self.retire_days <= 0:
+            raise PolicyError("retire_after must be >= 1 (or null) and retire_days > 0")
+        if self.metrics_file is not None and not self.metrics_file.endswith(".prom"):
+            raise PolicyError(
+                f"metrics_file {self.metrics_file!r}: node_exporter reads only *.prom files"
+            )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,7 +86,15 @@ class Policy:
     def from_json(cls, obj: Any, source: str = "policy") -> Policy:
         if not isinstance(obj, dict):
             raise PolicyError(f"{source}: expected a JSON object")
-        unknown = set(obj) - {"mode", "ambiguous", "max_drains", "window_s"}
+        unknown = set(obj) - {
+            "mode",
+            "ambiguous",
+            "max_drains",
+            "window_s",
+            "retire_after",
+            "retire_days",
+            "metrics_file",
+        }
         if unknown:
             raise PolicyError(f"{source}: unknown keys {sorted(unknown)}")
         try:
@@ -80,6 +103,13 @@ class Policy:
                 ambiguous=str(obj.get("ambiguous", AMBIGUOUS_HOLD)),
                 max_drains=int(obj.get("max_drains", 3)),
                 window_s=float(obj.get("window_s", 3600.0)),
+                retire_after=(
+                    int(obj["retire_after"]) if obj.get("retire_after") is not None else None
+                ),
+                retire_days=float(obj.get("retire_days", 30.0)),
+                metrics_file=(
+                    str(obj["metrics_file"]) if obj.get("metrics_file") is not None else None
+                ),
             )
         except (TypeError, ValueError) as exc:
             raise PolicyError(f"{source}: {exc}") from None
