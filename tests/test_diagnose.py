@@ -23,9 +23,13 @@ from slurm_guard.evidence import (
     GOLDEN_MATCH,
     GOLDEN_MISMATCH,
     GOLDEN_RECORDED,
+    confirmed_since,
+    diagnosis_summary,
     latest_diagnosis,
+    node_history,
     parse_diagnosis,
     read_diagnoses,
+    return_blockers,
 )
 from slurm_guard.faults import parse_faults
 from slurm_guard.records import RecordError
@@ -200,3 +204,55 @@ def test_gpu_burn_in_is_repeatable_and_within_the_checksum_bound(tmp_path: Path)
     assert d.passed, d.failures()
     assert {"fp32", "fp16"} <= {c.precision for c in d.cases}
     assert d.device["kind"] == "cuda" and d.device["driver"] != "unknown"
+
+
+def _entry(alarm_id: str, node: str, t: float, **kw: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {
+        "type": "alarm",
+        "alarm_id": alarm_id,
+        "job_id": "1",
+        "suspect_nodes": [node],
+        "verdict": "sdc",
+        "check": "replay",
+        "outcome": "act",
+        "step": 5,
+        "time": t,
+        "evidence": {},
+    }
+    values.update(kw)
+    return values
+
+
+def test_node_history_counts_confirmed_alarms_across_jobs() -> None:
+    entries = [
+        _entry("a3", "node2", 300.0, job_id="9", evidence={"triage": {"reproduced": [3, 3]}}),
+        _entry("a1", "node2", 100.0),
+        _entry("a2", "node2", 200.0, outcome="await_approval"),
+        _entry("a4", "node2", 250.0, outcome="hold", verdict="ambiguous"),
+        _entry("a5", "node3", 260.0),
+        _entry("a6", "node2", 270.0, verdict="numerical", outcome="no_action"),
+    ]
+    history = node_history(entries, {"a2": {}}, "node2")
+    assert [a["alarm_id"] for a in history] == ["a1", "a2", "a4", "a6", "a3"]
+    assert [a["confirmed"] for a in history] == [True, True, False, False, True]
+    assert history[-1]["triage"] == {"reproduced": [3, 3]}
+    assert confirmed_since(history, 150.0) == 2
+
+
+def test_return_blockers_name_a_failed_diagnosis_and_the_retire_rule(tmp_path: Path) -> None:
+    entries = [_entry("a1", "node2", 100.0), _entry("a2", "node2", 200.0)]
+    history = node_history(entries, {}, "node2")
+    later = 200.0 + 86400 * 2
+    old = return_blockers(tmp_path, "node2", history, retire_after=2, retire_days=1, now=later)
+    assert old == []
+    rule = return_blockers(tmp_path, "node2", history, retire_after=2, retire_days=1, now=250.0)
+    assert rule == ["2 confirmed alarm(s) in the last 1 day(s); the policy retires a node after 2"]
+    assert return_blockers(tmp_path, "node2", history, retire_after=None, retire_days=1) == []
+    assert diagnose(tmp_path, "node2", inject=PERSISTENT).exit_code == EXIT_DIAGNOSIS_FAILED
+    failed = return_blockers(tmp_path, "node2", [], retire_after=None, retire_days=1)
+    assert len(failed) == 1 and "latest `slurm-guard diagnose`" in failed[0]
+    assert "column sums" in failed[0]
+    summary = diagnosis_summary(latest_diagnosis(tmp_path, "node2"))
+    assert summary is not None and summary["passed"] is False
+    assert diagnose(tmp_path, "node2").exit_code == 0  # the latest one counts
+    assert return_blockers(tmp_path, "node2", [], retire_after=None, retire_days=1) == []

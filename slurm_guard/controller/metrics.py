@@ -25,6 +25,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slurm_guard.controller.policy import Policy
 from slurm_guard.controller.state import ADMIN, APPROVAL, DONE, FAILED, Journal, StateStore
 from slurm_guard.evidence import diagnosed_nodes, latest_diagnosis
 from slurm_guard.protocol import REASON_PREFIX
@@ -308,3 +309,27 @@ def update_metrics(
         logger.error("%s", exc)
         return False
     return True
+
+
+def metrics_path(state_dir: Path, metrics_file: str | None) -> Path | None:
+    """policy.json's `metrics_file`; a relative name is relative to the state directory."""
+    if metrics_file is None:
+        return None
+    path = Path(metrics_file)
+    return path if path.is_absolute() else Path(state_dir) / path
+
+
+def publish(store: StateStore, policy: Policy, client: Any, *, dry_run: bool = False) -> bool:
+    """The end of every controller pass: rewrite the textfile the policy names, if any.
+
+    A dry run changes nothing on disk, the metrics file included.
+    """
+    if dry_run:
+        return False
+    return update_metrics(
+        metrics_path(store.root, policy.metrics_file),
+        store,
+        max_drains=policy.max_drains,
+        window_s=policy.window_s,
+        list_nodes=getattr(client, "nodes", None),
+    )
