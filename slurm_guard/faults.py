@@ -40,6 +40,9 @@ KINDS = {
     "allreduce": "turn one averaged gradient element x into x*factor+factor (all-reduce result)",
     "diagnose-gemm": "turn one element x of the `step`-th (persistent: every later) GEMM result "
     "of `slurm-guard diagnose` into x*factor+factor; `rank` selects the GPU",
+    "gemm": "one output element of checked GEMM `layer` in pass `pass` (fwd, grad_x, grad_w) "
+    "becomes x*(1+factor), or has bit `bit` flipped with flip=1 (inside the GEMM: the ABFT "
+    "check sees it)",
 }
 BACKWARD_KINDS = ("grad-scale", "grad-bitflip", "nan", "inf")
 
@@ -57,14 +60,21 @@ class Fault:
     element: int = 0
     factor: float = 10.0
     bit: int = 22
+    layer: int = 0
+    gemm_pass: str = "fwd"
+    flip: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise GuardError(f"unknown fault kind {self.kind!r}; known kinds: {', '.join(KINDS)}")
         if (self.rank is None) == (self.node is None):
             raise GuardError(f"fault {self.kind!r}: give exactly one of rank=N or node=NAME")
-        if self.step < 0 or self.param < 0 or self.element < 0:
-            raise GuardError(f"fault {self.kind!r}: step, param and element must be >= 0")
+        if self.step < 0 or self.param < 0 or self.element < 0 or self.layer < 0:
+            raise GuardError(f"fault {self.kind!r}: step, param, element and layer must be >= 0")
+        if self.gemm_pass not in ("fwd", "grad_x", "grad_w"):
+            raise GuardError(
+                f"fault {self.kind!r}: pass={self.gemm_pass!r}; must be fwd, grad_x or grad_w"
+            )
         if not 0 <= self.bit < 64:
             raise GuardError(f"fault {self.kind!r}: bit must be in 0..63")
 
@@ -74,10 +84,13 @@ class Fault:
     def describe(self) -> str:
         where = f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
         how = "persistent from" if self.persistent else "one-off at"
+        if self.kind == "gemm":
+            size = f"bit {self.bit} flipped" if self.flip else f"x(1+{self.factor:g})"
+            where += f", layer {self.layer} {self.gemm_pass}, element {self.element}, {size}"
         return f"{self.kind} on {where}, {how} step {self.step}"
 
 
-_INT_FIELDS = ("step", "rank", "param", "element", "bit")
+_INT_FIELDS = ("step", "rank", "param", "element", "bit", "layer")
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
@@ -98,8 +111,10 @@ def parse_faults(text: str) -> tuple[Fault, ...]:
                     fields[key] = int(value)
                 elif key == "factor":
                     fields[key] = float(value)
-                elif key == "persistent":
+                elif key in ("persistent", "flip"):
                     fields[key] = value.strip().lower() in ("1", "true", "yes")
+                elif key == "pass":
+                    fields["gemm_pass"] = value.strip()
                 elif key in ("kind", "node"):
                     fields[key] = value.strip()
                 else:
@@ -140,6 +155,8 @@ class FaultInjector:
                 param = params[fault.param % len(params)]
                 hook = self._grad_hook(fault)
                 self._handles.append(param.register_hook(hook))  # type: ignore[no-untyped-call]
+            elif fault.kind == "gemm":
+                self._add_gemm_fault(module, fault)
             elif fault.kind == "activation":
                 first = next(
                     m
@@ -155,6 +172,26 @@ class FaultInjector:
         self._weight_faults = [
             (f, params[f.param % len(params)]) for f in self.faults if f.kind == "weight-bitflip"
         ]
+
+    def _add_gemm_fault(self, module: nn.Module, fault: Fault) -> None:
+        """Inside the layer's GEMM (before its check): wraps the model's GEMM layers, checked or
+        not, so the fault exists whether or not abft is on."""
+        from slurm_guard.abft.wrap import attach
+
+        fired: set[int] = set()
+
+        def corrupt(out: torch.Tensor) -> None:
+            if not self.active(fault) or (not fault.persistent and self.step in fired):
+                return
+            fired.add(self.step)  # a one-off fault hits the first such GEMM of its step only
+            flat = out.view(-1)
+            i = fault.element % flat.numel()
+            if fault.flip:
+                _flip_bit(out, i, fault.bit)
+            else:
+                flat[i] = flat[i] * (1 + fault.factor)
+
+        attach(module, checking=False).inject(fault.layer, fault.gemm_pass, corrupt)
 
     def active(self, fault: Fault) -> bool:
         """A one-off fault hits the target's own step once; a persistent one everything after."""

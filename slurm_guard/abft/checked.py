@@ -1,0 +1,291 @@
+"""One checked GEMM layer: y = x M + b forward, grad_x = g M^T and grad_M = x^T g backward.
+
+Each of the three products is checked by block checksums (algorithm-based fault tolerance): the
+rows of the output are summed in blocks of `block` rows and compared with the same sums computed
+from the summed input rows, a GEMM `block` times smaller than the one checked. A wrong output
+element changes exactly one block checksum by the size of its error, which is then compared with
+the rounding bound of `bounds.py`. Nothing leaves the device: each check leaves one scalar (the
+largest residual divided by its bound) that the site keeps for the per-step reduction.
+
+`M` is the (in, out) matrix: `weight.t()` for `nn.Linear` (whose forward still calls
+`F.linear(x, weight, bias)`, the very kernel an unchecked layer runs) and `weight` itself for
+HuggingFace's `Conv1D` (`torch.addmm(bias, x, weight)`, as its own forward does). The weight
+gradient is produced in the weight's own layout, as autograd's linear backward does, so
+gradient accumulation does not copy it. Every reduction runs along a contiguous dimension or
+over the middle of a contiguous view: strided reductions cost more than the GEMM they check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+
+from slurm_guard.abft.bounds import check_dtype, residual_bound, roundoff
+
+FWD, GRAD_X, GRAD_W = 0, 1, 2
+PASSES = ("fwd", "grad_x", "grad_w")
+
+Injector = Callable[[torch.Tensor], None]
+
+
+@dataclass
+class Site:
+    """One checked layer (or one projection inside attention) and what it has seen this step.
+
+    `results` collects (pass, ratio) with the ratio a 0-dim device tensor; `checking` False keeps
+    the layer wrapped for fault injection only. `injectors[pass]` corrupt that pass's output in
+    place before it is checked (software faults, `slurm_guard.faults`).
+    """
+
+    index: int
+    name: str
+    kind: str  # "linear" (M = weight.t()) or "addmm" (M = weight)
+    margin: float = 10.0
+    block: int = 32
+    checking: bool = True
+    results: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    injectors: dict[int, list[Injector]] = field(default_factory=dict)
+    flops: list[int] | None = None  # coverage accounting: FLOPs of the GEMMs checked
+    suspended: Callable[[], bool] = lambda: False
+    norms: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor] | None = None
+
+    def active(self) -> bool:
+        return self.checking and not self.suspended()
+
+    def inject(self, which: int, out: torch.Tensor) -> None:
+        for fn in self.injectors.get(which, ()):
+            fn(out)
+
+    def count(self, n: int, k: int, m: int) -> None:
+        if self.flops is not None:
+            self.flops.append(2 * n * k * m)
+
+    def weight_norms(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(||M[:, c]||^2 per output column, ||M[l, :]||^2 per input row), one pass over the
+        weight per step: kept until the weight changes (version counter) or the step ends."""
+        key = (m.data_ptr(), m._version, m.shape[0])
+        if self.norms is None or self.norms[0] != key:
+            w = m.t() if self.kind == "linear" else m  # the stored, contiguous layout
+            sq = _squares(w)
+            along, across = sq.sum(1), sq.sum(0)
+            col, row = (along, across) if self.kind == "linear" else (across, along)
+            self.norms = (key, col, row)
+        return self.norms[1], self.norms[2]
+
+
+def _squares(t: torch.Tensor) -> torch.Tensor:
+    """Elementwise squares in the check dtype (float16 squares overflow above 256)."""
+    return t.to(check_dtype(t.dtype)).square()
+
+
+@contextlib.contextmanager
+def _no_autocast(device: torch.device) -> Iterator[None]:
+    """Checksums stay in float32/float64 even inside an autocast region."""
+    if torch.is_autocast_enabled(device.type):
+        with torch.autocast(device.type, enabled=False):
+            yield
+    else:
+        yield
+
+
+def _blocks(n: int, block: int) -> list[tuple[int, int]]:
+    """[(start, rows)]: full blocks as one run, a ragged tail as its own block."""
+    full = n // block
+    out = [(0, full)] if full else []
+    if n % block or not full:
+        out.append((full * block, n - full * block))
+    return out
+
+
+def _row_sums(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums of consecutive blocks of rows of a 2-D tensor (check dtype), and rows per block."""
+    cdt = check_dtype(t.dtype)
+    n, d = t.shape
+    sums, rows = [], []
+    for i, (start, count) in enumerate(_blocks(n, block)):
+        if i == 0 and n >= block:
+            sums.append(t[: count * block].reshape(count, block, d).sum(1, dtype=cdt))
+            rows.append(torch.full((count,), float(block), dtype=cdt, device=t.device))
+        else:
+            sums.append(t[start:].sum(0, keepdim=True, dtype=cdt))
+            rows.append(torch.full((1,), float(count), dtype=cdt, device=t.device))
+    if len(sums) == 1:
+        return sums[0], rows[0]
+    return torch.cat(sums), torch.cat(rows)
+
+
+def _col_sums(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Sums of consecutive blocks of columns of a 2-D tensor: (rows, blocks)."""
+    cdt = check_dtype(t.dtype)
+    r, d = t.shape
+    parts = []
+    for i, (start, count) in enumerate(_blocks(d, block)):
+        if i == 0 and d >= block:
+            body = t if count * block == d else t[:, : count * block]
+            parts.append(body.reshape(r, count, block).sum(2, dtype=cdt))
+        else:
+            parts.append(t[:, start:].sum(1, keepdim=True, dtype=cdt))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def _ratio(out_sums: torch.Tensor, predicted: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """Largest |residual| / bound. A non-finite bound (non-finite or overflowing inputs: the
+    finite check's business) leaves the block unchecked; a non-finite residual under a finite
+    bound is a failed check."""
+    residual = (out_sums.double() - predicted.double()).abs()
+    ratio = (residual / bound.double()).nan_to_num(nan=float("inf"))
+    return torch.where(torch.isfinite(bound), ratio, 0.0).amax()
+
+
+def _check(
+    site: Site,
+    q: int,
+    out_sums: torch.Tensor,
+    a_sums: torch.Tensor,
+    a_sq: torch.Tensor,
+    rows: torch.Tensor,
+    m: torch.Tensor,
+    m_sq: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Residual ratio of one product out = A M (+ bias), with A's rows summed per block:
+    out_sums and a_sums (B, .) the block sums, a_sq (B,) the blocks' squared Frobenius norms,
+    m_sq (p,) M's squared column norms, q the reduction length, out the product itself (2-D)."""
+    cdt = a_sums.dtype
+    dtype = out.dtype
+    low = dtype in (torch.bfloat16, torch.float16)
+    out_sq = _row_sums(_squares(out), site.block)[0] if low else None
+    predicted = a_sums @ m.to(cdt)
+    bias_sq = None
+    if bias is not None:
+        b = bias.to(cdt)
+        predicted = predicted + rows[:, None] * b[None, :]
+        bias_sq = b.square()
+    s_sq = a_sums.square().sum(1)
+    r = roundoff(dtype, m.device)
+    bound = residual_bound(q, rows, a_sq, s_sq, m_sq, bias_sq, r, site.margin, out_sq)
+    return _ratio(out_sums, predicted, bound)
+
+
+def _check_weight_grad(
+    site: Site,
+    p: torch.Tensor,
+    p_col_sq: torch.Tensor,
+    q: torch.Tensor,
+    q_col_sq: torch.Tensor,
+    grad: torch.Tensor,
+) -> torch.Tensor:
+    """grad = P^T Q (stored layout, rows blocked): the columns of P are the checksum rows.
+
+    For nn.Linear P = g, Q = x (grad of weight (out, in)); for Conv1D P = x, Q = g. The
+    reduction runs over the n rows of the step's tokens.
+    """
+    block = site.block
+    a_sums = _col_sums(p, block).t()  # (R, n)
+    a_sq, rows = _row_sums(p_col_sq.unsqueeze(1), block)
+    out_sums, _ = _row_sums(grad, block)
+    return _check(site, p.shape[0], out_sums, a_sums, a_sq[:, 0], rows, q, q_col_sq, None, grad)
+
+
+class CheckedGemm(torch.autograd.Function):
+    """The layer's GEMM with its three products checked (see the module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, site: Site
+    ) -> torch.Tensor:
+        k = x.shape[-1]
+        x2 = x.reshape(-1, k)
+        if site.kind == "linear":
+            out = F.linear(x, m.t(), bias)  # exactly what an unchecked nn.Linear computes
+        elif bias is not None:
+            out = torch.addmm(bias, x2, m).view(*x.shape[:-1], m.shape[1])
+        else:
+            out = (x2 @ m).view(*x.shape[:-1], m.shape[1])
+        y = out.reshape(-1, m.shape[1])
+        site.inject(FWD, y)
+        ctx.site = site
+        ctx.in_shape = x.shape
+        ctx.x_sq = None
+        site.count(x2.shape[0], k, m.shape[1])
+        if site.active():
+            with torch.no_grad(), _no_autocast(y.device):
+                x_sums, rows = _row_sums(x2, site.block)
+                x_sq, _ = _row_sums(_squares(x2), site.block)  # (B, k)
+                col_sq, _ = site.weight_norms(m)
+                ratio = _check(
+                    site,
+                    k,
+                    _row_sums(y, site.block)[0],
+                    x_sums,
+                    x_sq.sum(1),
+                    rows,
+                    m,
+                    col_sq,
+                    bias,
+                    y,
+                )
+            site.results.append((FWD, ratio))
+            ctx.x_sq = x_sq  # its column sums bound the weight gradient's check
+        ctx.save_for_backward(x2, m)
+        return out
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_y: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        x2, m = ctx.saved_tensors
+        site: Site = ctx.site
+        g = grad_y.reshape(-1, grad_y.shape[-1])
+        need_x, need_m, need_b = ctx.needs_input_grad[:3]
+        grad_x = grad_m = grad_b = None
+        n, k = x2.shape
+        linear = site.kind == "linear"
+        if need_x:
+            grad_x = g @ m.t()
+            site.inject(GRAD_X, grad_x)
+            site.count(n, m.shape[1], k)
+        stored = None  # the weight gradient in the weight's layout
+        if need_m:
+            stored = g.t() @ x2 if linear else x2.t() @ g
+            site.inject(GRAD_W, stored)
+            grad_m = stored.t() if linear else stored
+            site.count(n, k, m.shape[1])
+        if need_b:
+            grad_b = g.sum(0)
+        if site.active() and (need_x or need_m):
+            with torch.no_grad(), _no_autocast(g.device):
+                g_sums, rows = _row_sums(g, site.block)
+                g_sq, _ = _row_sums(_squares(g), site.block)  # (B, out)
+                if grad_x is not None:
+                    _, row_sq = site.weight_norms(m)
+                    ratio = _check(
+                        site,
+                        m.shape[1],
+                        _row_sums(grad_x, site.block)[0],
+                        g_sums,
+                        g_sq.sum(1),
+                        rows,
+                        m.t(),
+                        row_sq,
+                        None,
+                        grad_x,
+                    )
+                    site.results.append((GRAD_X, ratio))
+                if stored is not None:
+                    x_sq = ctx.x_sq if ctx.x_sq is not None else _row_sums(_squares(x2), n)[0]
+                    x_col_sq, g_col_sq = x_sq.sum(0), g_sq.sum(0)
+                    if linear:
+                        ratio = _check_weight_grad(site, g, g_col_sq, x2, x_col_sq, stored)
+                    else:
+                        ratio = _check_weight_grad(site, x2, x_col_sq, g, g_col_sq, stored)
+                    site.results.append((GRAD_W, ratio))
+        if grad_x is not None:
+            grad_x = grad_x.view(ctx.in_shape)
+        return grad_x, grad_m, grad_b, None
