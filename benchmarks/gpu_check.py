@@ -1,0 +1,382 @@
+"""The GPU check: one command, one GPU, under 8 minutes; JSON to benchmarks/results/gpu_check.json.
+
+On a machine with CUDA it runs, each part in its own time budget so one hang cannot eat the rest:
+1. the `gpu`-marked tests (real Triton compilation; CUDA vs CPU bit-identity of the kernels);
+2. fingerprint bit-identity, CUDA (Triton NH) against CPU (C kernel), over sizes and dtypes;
+3. bandwidth on the GPU: fingerprint and the fused bucket check against `torch.sum` and a copy
+   of the same tensor (GB/s of input read; the copy also writes as much);
+4. step overhead of a ~350M-parameter GPT (TinyGPT width 1024, 24 layers, context 512, batch 8)
+   under DDP with NCCL at world size 1: plain DDP, per-step checks only (replay and vote off) and
+   the default configuration, interleaved windows of K = 10 steps.
+Without CUDA it says so, runs its CPU-safe part (the Triton kernels under the interpreter against
+their specifications, when Triton is installed) and exits 0.
+
+    python benchmarks/gpu_check.py             # full check (needs one CUDA device)
+    python benchmarks/gpu_check.py --quick     # fewer sizes and rounds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from _common import median, table, write_json
+
+REPO = Path(__file__).resolve().parent.parent
+K = 10
+BUDGET_S = {"interpreter": 120, "tests": 200, "steps": 220}
+
+
+def _repo_first() -> dict[str, str]:
+    """Children import this checkout's package even if another copy is installed."""
+    return {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    }
+
+
+def _sub(args: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run a part in a child process; its last stdout line is JSON. Never raises."""
+    began = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            [sys.executable, *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+            env={**os.environ, **_repo_first(), **(env or {})},
+            check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = exc.stdout if isinstance(exc.stdout, str) else ""
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "tail": out[-3000:]}
+    lines = proc.stdout.strip().splitlines()
+    result: dict[str, Any] = {"returncode": proc.returncode}
+    try:
+        result.update(json.loads(lines[-1]))
+    except (IndexError, ValueError):
+        result["tail"] = (proc.stdout + proc.stderr)[-3000:]
+    result.setdefault("ok", proc.returncode == 0)
+    result["seconds"] = time.perf_counter() - began
+    return result
+
+
+# ---------------------------------------------------------------- part: interpreter (CPU-safe)
+
+
+def interpreter_part() -> dict[str, Any]:
+    """The Triton kernels on CPU tensors under TRITON_INTERPRET=1, against their specifications."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return {"ok": True, "skipped": "triton not installed (pip install slurm-guard[gpu])"}
+    from slurm_guard import fingerprint_fast as ff
+    from slurm_guard.fingerprint import as_int
+    from slurm_guard.kernels import sketch as sk
+    from slurm_guard.kernels import triton_kernels as tk
+
+    assert tk.interpreting(), "set TRITON_INTERPRET=1 before the kernels are defined"
+    fp = ff.FastFingerprinter(20240601)
+    words = sk.seed_words(20240601)
+    mismatches = []
+    for n in (0, 1, 4095, 4097, 70_001):
+        t = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        if as_int(ff.triton_fingerprint(t, fp, fp._keys)) != as_int(fp.tensor(t)):
+            mismatches.append(f"fingerprint n={n}")
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            x = t.to(dtype)
+            a, b = tk.triton_check(x, words), sk.reference_check(x, words)
+            if not torch.equal(a.view(torch.int64), b.view(torch.int64)):
+                mismatches.append(f"bucket check n={n} {dtype}")
+    return {"ok": not mismatches, "mismatches": mismatches, "cases": 5 * 5}
+
+
+# ---------------------------------------------------------------- part: CUDA identity, bandwidth
+
+
+def identity_part(quick: bool) -> dict[str, Any]:
+    from slurm_guard import fingerprint_fast as ff
+    from slurm_guard.fingerprint import as_int
+    from slurm_guard.kernels import sketch as sk
+
+    fp = ff.FastFingerprinter(7)
+    words = sk.seed_words(7)
+    cases, mismatches = 0, []
+    sizes = [0, 1, 1023, 4096, 4097, 1_000_003] + ([] if quick else [50_000_017])
+    for n in sizes:
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int8):
+            t = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 9).to(dtype)
+            cases += 1
+            if as_int(fp.tensor(t.cuda())) != as_int(fp.tensor(t)):
+                mismatches.append(f"fingerprint n={n} {dtype}")
+            if dtype.is_floating_point:
+                cases += 1
+                a, b = sk.bucket_check(t.cuda(), words).cpu(), sk.bucket_check(t, words)
+                if not torch.equal(a.view(torch.int64), b.view(torch.int64)):
+                    mismatches.append(f"bucket check n={n} {dtype}: {a.tolist()} {b.tolist()}")
+    return {
+        "ok": not mismatches,
+        "cases": cases,
+        "mismatches": mismatches,
+        "fingerprint_backend_cuda": "triton"
+        if ff._use_triton(torch.empty(1, device="cuda"))
+        else "torch",
+        "bucket_check_backend_cuda": sk.backend(torch.device("cuda")),
+    }
+
+
+def _cuda_time(fn: Any, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return median(times)
+
+
+def bandwidth_part(quick: bool) -> dict[str, Any]:
+    from slurm_guard import fingerprint_fast as ff
+    from slurm_guard.kernels import sketch as sk
+
+    fp = ff.FastFingerprinter(7)
+    words = sk.seed_words(7)
+    records = []
+    sizes = [10**6, 10**7, 10**8] + ([] if quick else [10**9])
+    for n in sizes:
+        x = torch.randn(n, device="cuda")
+        y = torch.empty_like(x)
+        nbytes = n * 4
+        variants = {
+            "sum": lambda x=x: x.sum(),
+            "copy": lambda x=x, y=y: y.copy_(x),
+            "fingerprint": lambda x=x: fp.tensor(x),
+            "bucket check": lambda x=x: sk.bucket_check(x, words),
+        }
+        if n <= 10**7:
+            variants["bucket check (torch spec)"] = lambda x=x: sk.reference_check(x, words)
+        reps = 5 if quick else 15
+        times = {name: _cuda_time(fn, reps) for name, fn in variants.items()}
+        for name, sec in times.items():
+            records.append(
+                {
+                    "elements": n,
+                    "variant": name,
+                    "seconds": sec,
+                    "gb_per_s_read": nbytes / sec / 1e9,
+                    "x_sum": times["sum"] / sec,
+                }
+            )
+        del x, y
+        torch.cuda.empty_cache()
+    return {"ok": True, "records": records}
+
+
+# ---------------------------------------------------------------- part: step overhead (NCCL)
+
+
+def steps_part(rounds: int) -> dict[str, Any]:
+    import tempfile
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import slurm_guard as sg
+    from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
+    from slurm_guard.local_launch import free_port
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    cfg = TinyGPTConfig(vocab=50304, context=512, width=1024, heads=16, layers=24, dropout=0.0)
+    batch_size = 8
+    os.environ.setdefault("SLURMD_NODENAME", "gpu-node")
+    dist.init_process_group(
+        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    torch.cuda.set_device(0)
+    huge = 1_000_000
+    variants: dict[str, sg.GuardConfig | None] = {
+        "plain DDP": None,
+        "per-step checks": sg.GuardConfig(replay_every=huge, vote_every=huge),
+        "default": sg.GuardConfig(),
+    }
+    runners: dict[str, Any] = {}
+    params = 0
+    errors: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="sg-gpu-") as root:
+        for i, (name, config) in enumerate(variants.items()):
+            torch.manual_seed(0)
+            model = TinyGPT(cfg).cuda()
+            params = sum(p.numel() for p in model.parameters())
+            ddp = DDP(model, device_ids=[0])
+            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-5, fused=True)
+            if config is None:
+
+                def plain(batch: Any, ddp: DDP = ddp, opt: torch.optim.Optimizer = opt) -> None:
+                    opt.zero_grad(set_to_none=True)
+                    lm_loss(ddp, batch).backward()  # type: ignore[no-untyped-call]
+                    opt.step()
+
+                runners[name] = plain
+            else:
+                run_dir = Path(root) / f"v{i}"
+                run_dir.mkdir()
+                try:
+                    runners[name] = sg.Guard(ddp, opt, lm_loss, run_dir, config=config).step
+                except Exception as exc:  # a GPU-path bug: report it, measure the rest
+                    errors[name] = f"{type(exc).__name__}: {exc}"
+        steps = dict.fromkeys(runners, 0)
+
+        def batch(step: int) -> dict[str, torch.Tensor]:
+            return {k: v.cuda() for k, v in make_batch(step, 0, cfg, batch_size).items()}
+
+        def window(name: str) -> float:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(K):
+                runners[name](batch(steps[name]))
+                steps[name] += 1
+            torch.cuda.synchronize()
+            return (time.perf_counter() - start) / K
+
+        times: dict[str, list[float]] = {name: [] for name in runners}
+        for name in list(runners):  # warm-up (and the first Triton compilations)
+            try:
+                window(name)
+            except Exception as exc:
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                del runners[name]
+        names = list(runners)
+        plain_module = TinyGPT(cfg).cuda()
+        fb = []
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                times[name].append(window(name))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            lm_loss(plain_module, batch(r)).backward()  # type: ignore[no-untyped-call]
+            torch.cuda.synchronize()
+            fb.append(time.perf_counter() - start)
+            plain_module.zero_grad(set_to_none=True)
+    dist.destroy_process_group()
+    plain_s = median(times["plain DDP"]) if times.get("plain DDP") else float("nan")
+    floor = 1 + median(fb) / (K * plain_s)
+    ratios = {name: median(ts) / plain_s for name, ts in times.items() if ts}
+    return {
+        "ok": not errors,
+        "errors": errors,
+        "params": params,
+        "model": cfg.__dict__,
+        "batch": batch_size,
+        "rounds": rounds,
+        "median_step_s": {name: median(ts) for name, ts in times.items() if ts},
+        "ratio": ratios,
+        "replay_fwd_bwd_s": median(fb),
+        "floor": floor,
+        "raw_window_means_s": times,
+    }
+
+
+# ---------------------------------------------------------------- driver
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
+    parser.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
+    parser.add_argument("--part", choices=["interpreter", "steps"], help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=None)
+    args = parser.parse_args()
+    if args.part == "interpreter":
+        print(json.dumps(interpreter_part()))
+        return 0
+    if args.part == "steps":
+        print(json.dumps(steps_part(args.rounds or 3)))
+        return 0
+
+    began = time.perf_counter()
+    report: dict[str, Any] = {"cuda": torch.cuda.is_available()}
+    report["interpreter"] = _sub(
+        [__file__, "--part", "interpreter"], BUDGET_S["interpreter"], {"TRITON_INTERPRET": "1"}
+    )
+    print(f"interpreter checks (CPU): {_summary(report['interpreter'])}")
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here: GPU parts skipped (the CPU-safe part ran above)")
+        report["skipped"] = "no CUDA device"
+        path = write_json("gpu_check_cpu_only", report, args.json)
+        print(f"wrote {path}")
+        return 0 if report["interpreter"].get("ok") else 1
+
+    report["device"] = torch.cuda.get_device_name(0)
+    print(f"device: {report['device']}")
+    for name, part in (("identity", identity_part), ("bandwidth", bandwidth_part)):
+        try:
+            report[name] = part(args.quick)
+        except Exception as exc:
+            report[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        print(f"{name}: {_summary(report[name])}")
+    if "records" in report["bandwidth"]:
+        rows = [
+            (f"{r['elements']:.0e}", r["variant"], r["gb_per_s_read"], r["x_sum"])
+            for r in report["bandwidth"]["records"]
+        ]
+        print(table(["elements", "variant", "GB/s read", "x sum"], rows))
+    report["tests"] = _pytest_gpu(BUDGET_S["tests"])
+    print(f"gpu-marked tests: {_summary(report['tests'])}")
+    rounds = args.rounds or (2 if args.quick else 3)
+    report["steps"] = _sub(
+        [__file__, "--part", "steps", "--rounds", str(rounds)], BUDGET_S["steps"]
+    )
+    print(f"step overhead: {_summary(report['steps'])}")
+    report["seconds"] = time.perf_counter() - began
+    path = write_json("gpu_check", report, args.json)
+    print(f"wrote {path} ({report['seconds']:.0f} s)")
+    parts = ("interpreter", "identity", "bandwidth", "tests", "steps")
+    return 0 if all(report[p].get("ok") for p in parts) else 1
+
+
+def _pytest_gpu(timeout: float) -> dict[str, Any]:
+    began = time.perf_counter()
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"]
+    try:
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=REPO,
+            env={**os.environ, **_repo_first()},
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
+    lines = proc.stdout.strip().splitlines()
+    return {
+        "ok": proc.returncode == 0,
+        "returncode": proc.returncode,
+        "summary": lines[-1] if lines else "",
+        "tail": proc.stdout[-3000:] if proc.returncode else "",
+        "seconds": time.perf_counter() - began,
+    }
+
+
+def _summary(part: dict[str, Any]) -> str:
+    if part.get("skipped"):
+        return f"skipped ({part['skipped']})"
+    keys = ("summary", "error", "mismatches", "ratio", "errors", "floor", "cases", "tail")
+    shown = {k: part[k] for k in keys if part.get(k)}
+    return ("ok " if part.get("ok") else "FAILED ") + json.dumps(shown, default=str)[:1500]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

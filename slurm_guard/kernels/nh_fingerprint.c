@@ -1,0 +1,178 @@
+/* NH fingerprint, first level and tree (see slurm_guard/fingerprint_fast.py for the construction
+ * and its false-match bound). Integer arithmetic only: the output is bit-identical to the torch
+ * specification `reference_fingerprint` and to the Triton kernel (tested).
+ * Built by slurm_guard/kernels/native.py; CI compiles it with -Wall -Wextra -Werror. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+/* Defined once, in Python (fingerprint_fast.py, fingerprint.py), and passed with -D. */
+#if !defined(NH_WORDS) || !defined(ROW) || !defined(LANES) || !defined(PRIME) || !defined(MAX_LEVELS)
+#error "compile with -DNH_WORDS=... -DROW=... -DLANES=... -DPRIME=... -DMAX_LEVELS=... (see kernels/native.py)"
+#endif
+#if LANES != 2
+#error "the kernel computes exactly two NH lanes"
+#endif
+#define BLOCK_BYTES (4 * NH_WORDS)
+#define BLOCKS_PER_ROW (ROW / (4 * LANES))
+
+/* NH of one full 4 KiB block in both lanes. Unaligned loads: a byte tensor may start anywhere. */
+static void nh_block(const uint8_t *p, const uint32_t *k0, const uint32_t *k1, uint64_t out[2]) {
+#if defined(__AVX512F__)
+    __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+    __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
+    for (int i = 0; i < NH_WORDS; i += 32) {
+        __m512i m = _mm512_loadu_si512((const void *)(p + 4 * i));
+        __m512i n = _mm512_loadu_si512((const void *)(p + 4 * i + 64));
+        __m512i x = _mm512_add_epi32(m, _mm512_loadu_si512((const void *)(k0 + i)));
+        __m512i y = _mm512_add_epi32(m, _mm512_loadu_si512((const void *)(k1 + i)));
+        __m512i u = _mm512_add_epi32(n, _mm512_loadu_si512((const void *)(k0 + i + 16)));
+        __m512i v = _mm512_add_epi32(n, _mm512_loadu_si512((const void *)(k1 + i + 16)));
+        a0 = _mm512_add_epi64(a0, _mm512_mul_epu32(x, _mm512_srli_epi64(x, 32)));
+        a1 = _mm512_add_epi64(a1, _mm512_mul_epu32(y, _mm512_srli_epi64(y, 32)));
+        b0 = _mm512_add_epi64(b0, _mm512_mul_epu32(u, _mm512_srli_epi64(u, 32)));
+        b1 = _mm512_add_epi64(b1, _mm512_mul_epu32(v, _mm512_srli_epi64(v, 32)));
+    }
+    out[0] = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a0, b0));
+    out[1] = (uint64_t)_mm512_reduce_add_epi64(_mm512_add_epi64(a1, b1));
+#elif defined(__AVX2__)
+    __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+    __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
+    for (int i = 0; i < NH_WORDS; i += 16) {
+        __m256i m = _mm256_loadu_si256((const __m256i *)(p + 4 * i));
+        __m256i n = _mm256_loadu_si256((const __m256i *)(p + 4 * i + 32));
+        __m256i x = _mm256_add_epi32(m, _mm256_loadu_si256((const __m256i *)(k0 + i)));
+        __m256i y = _mm256_add_epi32(m, _mm256_loadu_si256((const __m256i *)(k1 + i)));
+        __m256i u = _mm256_add_epi32(n, _mm256_loadu_si256((const __m256i *)(k0 + i + 8)));
+        __m256i v = _mm256_add_epi32(n, _mm256_loadu_si256((const __m256i *)(k1 + i + 8)));
+        a0 = _mm256_add_epi64(a0, _mm256_mul_epu32(x, _mm256_srli_epi64(x, 32)));
+        a1 = _mm256_add_epi64(a1, _mm256_mul_epu32(y, _mm256_srli_epi64(y, 32)));
+        b0 = _mm256_add_epi64(b0, _mm256_mul_epu32(u, _mm256_srli_epi64(u, 32)));
+        b1 = _mm256_add_epi64(b1, _mm256_mul_epu32(v, _mm256_srli_epi64(v, 32)));
+    }
+    uint64_t s[4], t[4];
+    _mm256_storeu_si256((__m256i *)s, _mm256_add_epi64(a0, b0));
+    _mm256_storeu_si256((__m256i *)t, _mm256_add_epi64(a1, b1));
+    out[0] = s[0] + s[1] + s[2] + s[3];
+    out[1] = t[0] + t[1] + t[2] + t[3];
+#else
+    uint64_t s0 = 0, s1 = 0;
+    for (int i = 0; i < NH_WORDS; i += 2) {
+        uint32_t m0, m1;
+        memcpy(&m0, p + 4 * i, 4);
+        memcpy(&m1, p + 4 * i + 4, 4);
+        s0 += (uint64_t)(uint32_t)(m0 + k0[i]) * (uint64_t)(uint32_t)(m1 + k0[i + 1]);
+        s1 += (uint64_t)(uint32_t)(m0 + k1[i]) * (uint64_t)(uint32_t)(m1 + k1[i + 1]);
+    }
+    out[0] = s0;
+    out[1] = s1;
+#endif
+}
+
+/* Level-0 tree rows [row_begin, row_end): NH of the row's blocks, split into 16-bit words,
+   hashed with level-0 coefficients. Blocks past the end contribute zero words (tree padding). */
+int sg_rows(const uint8_t *data, int64_t nbytes, int64_t row_begin, int64_t row_end,
+            const uint32_t *keys, const int64_t *coeffs, int64_t *rows) {
+    int64_t nblocks = nbytes > 0 ? (nbytes + BLOCK_BYTES - 1) / BLOCK_BYTES : 1;
+    const uint32_t *k0 = keys, *k1 = keys + NH_WORDS;
+    uint8_t tail[BLOCK_BYTES];
+    for (int64_t r = row_begin; r < row_end; r++) {
+        uint64_t acc0 = 0, acc1 = 0;
+        int64_t first = r * BLOCKS_PER_ROW;
+        int64_t last = first + BLOCKS_PER_ROW < nblocks ? first + BLOCKS_PER_ROW : nblocks;
+        for (int64_t b = first; b < last; b++) {
+            uint64_t h[2];
+            int64_t off = b * BLOCK_BYTES;
+            if (off + BLOCK_BYTES <= nbytes) {
+                nh_block(data + off, k0, k1, h);
+            } else {
+                memset(tail, 0, BLOCK_BYTES);
+                if (nbytes > off) memcpy(tail, data + off, (size_t)(nbytes - off));
+                nh_block(tail, k0, k1, h);
+            }
+            const int64_t *c = coeffs + (b - first) * 4 * LANES * LANES;
+            for (int lane = 0; lane < LANES; lane++) {
+                for (int w = 0; w < 4; w++) {
+                    uint64_t word = (h[lane] >> (16 * w)) & 0xFFFF;
+                    acc0 += word * (uint64_t)c[0];
+                    acc1 += word * (uint64_t)c[1];
+                    c += LANES;
+                }
+            }
+        }
+        rows[2 * r] = (int64_t)(acc0 % (uint64_t)PRIME);
+        rows[2 * r + 1] = (int64_t)(acc1 % (uint64_t)PRIME);
+    }
+    return 0;
+}
+
+/* One tree level over 16-bit words: words[i] for i < n, zero after; out gets ceil(n/ROW) rows. */
+static int64_t compress(const int64_t *words, int64_t n, const int64_t *c, int64_t *out) {
+    int64_t nrows = (n + ROW - 1) / ROW;
+    if (nrows == 0) nrows = 1;
+    for (int64_t r = 0; r < nrows; r++) {
+        uint64_t acc0 = 0, acc1 = 0;
+        for (int64_t j = 0; j < ROW && r * ROW + j < n; j++) {
+            uint64_t w = (uint64_t)words[r * ROW + j];
+            acc0 += w * (uint64_t)c[2 * j];
+            acc1 += w * (uint64_t)c[2 * j + 1];
+        }
+        out[2 * r] = (int64_t)(acc0 % (uint64_t)PRIME);
+        out[2 * r + 1] = (int64_t)(acc1 % (uint64_t)PRIME);
+    }
+    return nrows;
+}
+
+/* Levels 1.. of the tree over the level-0 rows, then the tail level: out[2]. 0 ok, -1 no memory,
+   -2 more levels than coefficients. */
+int sg_finish(const int64_t *rows, int64_t nrows, const int64_t *coeffs, const int64_t *tailv,
+              int64_t ntail, int64_t *out) {
+    int64_t cap = 2 * LANES * nrows + 3 * ntail + LANES * 2 + 8;
+    int64_t *words = malloc(sizeof(int64_t) * cap);
+    int64_t *vals = malloc(sizeof(int64_t) * (LANES * nrows + LANES));
+    if (!words || !vals) { free(words); free(vals); return -1; }
+    memcpy(vals, rows, sizeof(int64_t) * LANES * nrows);
+    int level = 0;
+    while (nrows > 1) {
+        level++;
+        if (level >= MAX_LEVELS) { free(words); free(vals); return -2; }
+        int64_t n = 0;
+        for (int64_t i = 0; i < LANES * nrows; i++) {
+            words[n++] = vals[i] & 0xFFFF;
+            words[n++] = vals[i] >> 16;
+        }
+        nrows = compress(words, n, coeffs + (int64_t)level * ROW * LANES, vals);
+    }
+    int64_t n = 0;
+    for (int i = 0; i < LANES; i++) {
+        words[n++] = vals[i] & 0xFFFF;
+        words[n++] = vals[i] >> 16;
+    }
+    for (int64_t i = 0; i < ntail; i++) {
+        uint64_t v = (uint64_t)tailv[i];
+        words[n++] = (int64_t)(v & 0xFFFF);
+        words[n++] = (int64_t)((v >> 16) & 0xFFFF);
+        words[n++] = (int64_t)((v >> 32) & 0xFFFF);
+    }
+    compress(words, n, coeffs + (int64_t)(MAX_LEVELS - 1) * ROW * LANES, out);
+    free(words);
+    free(vals);
+    return 0;
+}
+
+/* The whole fingerprint in one call (small and medium tensors). */
+int sg_fingerprint(const uint8_t *data, int64_t nbytes, const uint32_t *keys,
+                   const int64_t *coeffs, const int64_t *tailv, int64_t ntail, int64_t *out) {
+    int64_t nblocks = nbytes > 0 ? (nbytes + BLOCK_BYTES - 1) / BLOCK_BYTES : 1;
+    int64_t nrows = (nblocks + BLOCKS_PER_ROW - 1) / BLOCKS_PER_ROW;
+    int64_t local[2 * 16];
+    int64_t *rows = nrows <= 16 ? local : malloc(sizeof(int64_t) * 2 * nrows);
+    if (!rows) return -1;
+    sg_rows(data, nbytes, 0, nrows, keys, coeffs, rows);
+    int rc = sg_finish(rows, nrows, coeffs, tailv, ntail, out);
+    if (rows != local) free(rows);
+    return rc;
+}

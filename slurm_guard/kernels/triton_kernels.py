@@ -1,0 +1,198 @@
+"""Triton versions of the guard's kernels, for CUDA tensors (and CPU tensors under the
+interpreter, TRITON_INTERPRET=1, which is how CI tests them without a GPU).
+
+- `nh_fingerprint`: the NH first level of `fingerprint_fast` (integer arithmetic, so its output,
+  after the same torch-op tree, is bit-identical to the C kernel and the torch specification).
+- `triton_check`: the fused sketch / L1 / finite pass of `kernels.sketch`, one program per chunk,
+  the chunk summed in registers by the definition's halving tree; the per-chunk partials go to
+  a buffer and the same fixed-order tree (torch ops, elementwise) finishes them. No atomics, so
+  every run and every rank gets the same bits, and they equal the C kernel's and the spec's.
+
+Triton is optional (`pip install slurm-guard[gpu]`; CUDA builds of torch bring it): importing
+this module without it works, `available()` says False and the callers use the torch versions.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from slurm_guard.kernels import sketch as _sketch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the optional `gpu` extra is not installed
+    triton = None
+    tl = None
+
+_NH_BLOCKS_PER_PROGRAM = 4
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def available(device: torch.device | None = None) -> bool:
+    """Whether the Triton kernels can run on tensors of `device` (default: CUDA) here."""
+    if triton is None:
+        return False
+    if device is not None and device.type == "cpu":
+        return interpreting()
+    return interpreting() or torch.cuda.is_available()
+
+
+_compiled: dict[str, Any] = {}
+_mix32: Any = None  # a jitted helper; kernels find helpers among the module's globals
+
+
+def _kernels() -> dict[str, Any]:
+    """The jitted kernels, defined on first use (after TRITON_INTERPRET has been read)."""
+    global _mix32
+    if _compiled:
+        return _compiled
+    assert triton is not None and tl is not None
+
+    @triton.jit
+    def mix32(x, m1, m2):  # type: ignore[no-untyped-def]
+        x = x ^ (x >> 16)
+        x = x * m1
+        x = x ^ (x >> 15)
+        x = x * m2
+        return x ^ (x >> 16)
+
+    _mix32 = mix32
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def check_kernel(  # type: ignore[no-untyped-def]
+        x_ptr,
+        n,
+        s0_arg,
+        s1_arg,
+        m1_arg,
+        m2_arg,
+        ps_ptr,
+        pa_ptr,
+        SPAN: tl.constexpr,
+        LOG2_SPAN: tl.constexpr,
+    ):
+        c = tl.program_id(0).to(tl.int64)
+        s0 = s0_arg.to(tl.uint32)
+        s1 = s1_arg.to(tl.uint32)
+        m1 = m1_arg.to(tl.uint32)
+        m2 = m2_arg.to(tl.uint32)
+        k = tl.arange(0, 8)[:, None].to(tl.int64)
+        i = tl.arange(0, SPAN)[None, :].to(tl.int64)
+        e = c * (8 * SPAN) + k * SPAN + i  # [8, SPAN] element indices of this chunk
+        v = tl.load(x_ptr + e, mask=e < n, other=0.0).to(tl.float64)
+        h = _mix32(_mix32((e >> 5).to(tl.uint32) ^ s0, m1, m2) ^ s1, m1, m2)
+        negative = ((h >> (e & 31).to(tl.uint32)) & 1) == 1
+        s = tl.where(negative, -v, v)
+        a = tl.abs(v)
+        # the halving tree: streams k and k+4, then k and k+2, then k and k+1 ...
+        s = tl.sum(tl.reshape(s, (2, 4, SPAN)), axis=0)
+        a = tl.sum(tl.reshape(a, (2, 4, SPAN)), axis=0)
+        s = tl.sum(tl.reshape(s, (2, 2, SPAN)), axis=0)
+        a = tl.sum(tl.reshape(a, (2, 2, SPAN)), axis=0)
+        s = tl.sum(s, axis=0)  # two rows: exactly row0 + row1
+        a = tl.sum(a, axis=0)
+        # ... then within the span, i and i + h for h = SPAN/2, ..., 1
+        for level in tl.static_range(LOG2_SPAN):
+            s = tl.sum(tl.reshape(s, (2, SPAN >> (level + 1))), axis=0)
+            a = tl.sum(tl.reshape(a, (2, SPAN >> (level + 1))), axis=0)
+        tl.store(ps_ptr + c, tl.sum(tl.reshape(s, (1,)), axis=0))
+        tl.store(pa_ptr + c, tl.sum(tl.reshape(a, (1,)), axis=0))
+
+    @triton.jit  # type: ignore[untyped-decorator]
+    def nh_kernel(  # type: ignore[no-untyped-def]
+        words_ptr,
+        nblocks,
+        keys_ptr,
+        out_ptr,
+        NH_WORDS: tl.constexpr,
+        BLOCKS: tl.constexpr,
+    ):
+        pid = tl.program_id(0).to(tl.int64)
+        b = pid * BLOCKS + tl.arange(0, BLOCKS)[:, None].to(tl.int64)  # [BLOCKS, 1]
+        j = tl.arange(0, NH_WORDS // 2)[None, :].to(tl.int64)  # [1, NH_WORDS/2]
+        live = b < nblocks
+        base = b * NH_WORDS + 2 * j
+        m0 = tl.load(words_ptr + base, mask=live, other=0).to(tl.uint32, bitcast=True)
+        m1 = tl.load(words_ptr + base + 1, mask=live, other=0).to(tl.uint32, bitcast=True)
+        rows = tl.arange(0, BLOCKS).to(tl.int64) + pid * BLOCKS
+        for lane in tl.static_range(2):
+            k0 = tl.load(keys_ptr + lane * NH_WORDS + 2 * j).to(tl.uint32, bitcast=True)
+            k1 = tl.load(keys_ptr + lane * NH_WORDS + 2 * j + 1).to(tl.uint32, bitcast=True)
+            x = (m0 + k0).to(tl.uint64)  # uint32 additions wrap mod 2^32
+            y = (m1 + k1).to(tl.uint64)
+            total = tl.sum(x * y, axis=1)  # uint64: exact products, sums mod 2^64 in any order
+            tl.store(
+                out_ptr + rows * 2 + lane, total.to(tl.int64, bitcast=True), mask=rows < nblocks
+            )
+
+    _compiled.update(check=check_kernel, nh=nh_kernel)
+    return _compiled
+
+
+def triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
+    """float64 [S, A, nonfinite] of a bucket on its device: the bits of `sketch.reference_check`."""
+    x = bucket.detach().reshape(-1)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    n = x.numel()
+    chunks, padded = _sketch.padded_chunks(n)
+    partials = torch.zeros(2, padded, dtype=torch.float64, device=x.device)
+    span = _sketch.CHUNK // 8
+    _kernels()["check"][(chunks,)](
+        x,
+        n,
+        words[0],
+        words[1],
+        _sketch.MIX_M1,
+        _sketch.MIX_M2,
+        partials[0],
+        partials[1],
+        SPAN=span,
+        LOG2_SPAN=span.bit_length() - 1,
+    )
+    totals = _sketch.tree_sum(partials)
+    return torch.cat([totals, (~torch.isfinite(totals[1:2])).double()])
+
+
+def nh_blocks(raw: torch.Tensor, keys: torch.Tensor, nh_words: int) -> torch.Tensor:
+    """int64 [nblocks, 2]: the NH value (mod 2^64, as bits) of each zero-padded block of `raw`
+    (a flat uint8 tensor) under the two lanes' keys (int32 [2, nh_words])."""
+    block_bytes = 4 * nh_words
+    nbytes = raw.numel()
+    full = nbytes // block_bytes
+    keys = keys.to(device=raw.device, dtype=torch.int32).contiguous()
+    parts = []
+    kernel = _kernels()["nh"]
+    if full:
+        main = raw[: full * block_bytes]
+        if main.data_ptr() % 4:
+            main = main.clone()  # a fresh allocation is aligned
+        out = torch.empty(full, 2, dtype=torch.int64, device=raw.device)
+        grid = (-(-full // _NH_BLOCKS_PER_PROGRAM),)
+        kernel[grid](
+            main.view(torch.int32),
+            full,
+            keys,
+            out,
+            NH_WORDS=nh_words,
+            BLOCKS=_NH_BLOCKS_PER_PROGRAM,
+        )
+        parts.append(out)
+    if nbytes % block_bytes or nbytes == 0:
+        tail = torch.nn.functional.pad(
+            raw[full * block_bytes :], (0, block_bytes - nbytes % block_bytes)
+        )
+        out = torch.empty(1, 2, dtype=torch.int64, device=raw.device)
+        kernel[(1,)](
+            tail.view(torch.int32), 1, keys, out, NH_WORDS=nh_words, BLOCKS=_NH_BLOCKS_PER_PROGRAM
+        )
+        parts.append(out)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,0 +1,124 @@
+"""The C kernels: they compile cleanly, and the fused bucket check matches its specification.
+
+The sketch's definition (slurm_guard/kernels/sketch.py) fixes the float64 summation order, so the
+C kernel, the torch specification and the Triton kernel must agree bit for bit, whatever the
+thread count: the averaged bucket's sketch is compared across ranks by its bits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_guard import fingerprint_fast as ff
+from slurm_guard.kernels import native as nat
+from slurm_guard.kernels import sketch as sk
+
+WORDS = sk.seed_words(1234)
+SOURCES = {"nh_fingerprint.c": ff.kernel_defines(), "bucket_check.c": sk.kernel_defines()}
+needs_cc = pytest.mark.skipif(nat.compiler() is None, reason="no C compiler on PATH")
+needs_native = pytest.mark.skipif(sk.native() is None, reason="bucket-check kernel not built")
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# empty, sub-word, one sign word, chunk boundaries, several chunks with a ragged tail
+SIZES = [0, 1, 31, 33, 4095, 4096, 4097, 3 * 4096 + 7, 70_001]
+
+
+def _bits(t: torch.Tensor) -> list[int]:
+    return [int(v) for v in t.view(torch.int64).tolist()]
+
+
+@needs_cc
+@pytest.mark.parametrize("name", sorted(SOURCES))
+@pytest.mark.parametrize("flags", [nat.NATIVE_FLAGS, nat.BASE_FLAGS], ids=["native", "portable"])
+def test_c_sources_compile_with_warnings_as_errors(
+    tmp_path: Path, name: str, flags: list[str]
+) -> None:
+    proc = nat.compile_source(name, SOURCES[name], [*flags, *nat.WARNING_FLAGS], tmp_path / "k.so")
+    assert proc.returncode == 0, proc.stderr
+
+
+@needs_cc
+def test_a_source_without_its_constants_does_not_compile(tmp_path: Path) -> None:
+    """Constants come from Python with -D: the C file must not carry its own copy."""
+    proc = nat.compile_source("bucket_check.c", {}, nat.BASE_FLAGS, tmp_path / "k.so")
+    assert proc.returncode != 0 and "CHUNK_LOG2" in proc.stderr
+
+
+def test_sources_are_package_data() -> None:
+    assert "sg_check_chunks" in nat.source("bucket_check.c")
+    assert "nh_block" in nat.source("nh_fingerprint.c")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_native_check_matches_the_specification_bit_for_bit(dtype: torch.dtype, n: int) -> None:
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
+    kernel = sk.native()
+    assert kernel is not None
+    assert _bits(sk.native_check(kernel, x, WORDS)) == _bits(sk.reference_check(x, WORDS))
+
+
+@needs_native
+def test_native_check_does_not_depend_on_the_thread_count() -> None:
+    x = torch.randn(3_000_000 + 123, generator=torch.Generator().manual_seed(5))
+    kernel = sk.native()
+    assert kernel is not None
+    results = {tuple(_bits(sk.native_check(kernel, x, WORDS, threads=t))) for t in (1, 2, 3, 7)}
+    assert results == {tuple(_bits(sk.reference_check(x, WORDS)))}
+
+
+def test_specification_is_the_sketch_and_norm_it_claims() -> None:
+    """S = <x, r> with r = +-1 from sign_bits, A = ||x||_1: close to float64 dot products."""
+    x = torch.randn(50_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    r = 1.0 - 2.0 * sk.sign_bits(x.numel(), WORDS, x.device).double()
+    s, a, flag = sk.reference_check(x, WORDS).tolist()
+    assert s == pytest.approx(float((x * r).sum()), rel=0, abs=1e-9)
+    assert a == pytest.approx(float(x.abs().sum()), rel=1e-12)
+    assert flag == 0.0
+    assert 0.4 < float((r < 0).double().mean()) < 0.6  # balanced signs
+
+
+def test_signs_depend_on_the_seed_and_the_element() -> None:
+    a = sk.sign_bits(4096, sk.seed_words(1), torch.device("cpu"))
+    b = sk.sign_bits(4096, sk.seed_words(2), torch.device("cpu"))
+    assert 0.4 < float((a != b).double().mean()) < 0.6
+    assert 0.4 < float(a.double().mean()) < 0.6
+
+
+@pytest.mark.parametrize("impl", ["reference", "native"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_nonfinite_element_sets_the_flag_and_the_sketch(impl: str, bad: float) -> None:
+    if impl == "native" and sk.native() is None:
+        pytest.skip("bucket-check kernel not built")
+    for dtype in DTYPES:
+        x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)).to(dtype)
+        x[7777] = bad
+        out = sk.bucket_check(x, WORDS) if impl == "native" else sk.reference_check(x, WORDS)
+        assert out[2].item() == 1.0 and not torch.isfinite(out[0]), dtype
+
+
+def test_large_finite_values_never_overflow_the_float64_sums() -> None:
+    x = torch.full((100_000,), torch.finfo(torch.float32).max)
+    out = sk.bucket_check(x, WORDS)
+    assert torch.isfinite(out[:2]).all() and out[2].item() == 0.0
+
+
+@needs_native
+def test_conservation_holds_within_the_stated_rounding() -> None:
+    """mean of the local sketches vs the sketch of the averaged bucket: drift below the bound."""
+    from slurm_guard.verdicts import conservation_bound
+
+    gen = torch.Generator().manual_seed(11)
+    local = [torch.randn(300_000, generator=gen) * 10 ** (k - 1) for k in range(3)]
+    averaged = torch.stack(local).sum(0) / len(local)
+    checks = [sk.bucket_check(g, WORDS) for g in local]
+    expected = sum(float(c[0]) for c in checks) / len(local)
+    actual = float(sk.bucket_check(averaged, WORDS)[0])
+    bound = conservation_bound([float(c[1]) for c in checks], 2.0**-24, 300_000)
+    assert abs(actual - expected) <= bound
+    # and the check has teeth: one element off by 1e-3 of the L1 norm is far outside the bound
+    averaged[12345] += 1e-3 * float(sum(c[1] for c in checks))
+    assert abs(float(sk.bucket_check(averaged, WORDS)[0]) - expected) > 10 * bound
