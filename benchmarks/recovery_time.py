@@ -103,9 +103,7 @@ def _read_time(path: Path) -> float:
 def one_repetition(
     cluster: Any, client: Any, work: Path, rep: int, port: int, timeout: float
 ) -> dict[str, Any]:
-    from slurm_guard.controller.engine import Engine
-    from slurm_guard.controller.policy import Policy
-    from slurm_guard.controller.state import StateStore
+    from slurm_guard.controller import Engine, Policy, StateStore
     from slurm_guard.drill.slurm import usable_node
     from slurm_guard.drill.stages import FAULT_SPEC, poll
     from slurm_guard.examples.train import read_events, read_result

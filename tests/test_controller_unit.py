@@ -563,3 +563,125 @@ def test_circuit_breaker_counts_a_planned_drain_that_an_outage_interrupted(
     assert store.read().alarms["x2"]["outcome"] == "await_approval"
     engine(slurm, store, policy).retry_pending()  # the interrupted plan is finished
     assert slurm.count("drain") == 1  # the limit holds
+
+
+def test_state_dir_is_accepted_on_the_subcommand_and_on_the_group(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path, tmp_path: Path
+) -> None:
+    write_alarm(run_dir, make_alarm())
+    engine(slurm, store).process_job("100", run_dir)
+    sd, elsewhere = str(store.root), str(tmp_path / "other-state")
+    dry = invoke(
+        slurm, "review", "return", "node2", "--state-dir", sd, "--reason", "ok", "--dry-run"
+    )
+    assert dry.exit_code == 0, dry.output
+    assert dry.output.startswith("would resume node2") and slurm.count("resume") == 0
+    # the subcommand's own value wins over the group's; the group's over the environment
+    wrong = invoke(
+        slurm, "review", "--state-dir", sd, "return", "node2", "--state-dir", elsewhere,
+        "--reason", "ok",
+    )  # fmt: skip
+    assert wrong.exit_code == 0, wrong.output
+    assert not any(e.get("type") == "admin" for e in store.read().entries)
+    slurm.nodes_state["node2"]["reason"] = "slurm-guard: drained again"
+    slurm.nodes_state["node2"]["states"] = {"IDLE", "DRAIN"}
+    back = invoke(
+        slurm, "review", "--state-dir", sd, "retire", "node2", "--reason", "RMA",
+        env={"SLURM_GUARD_STATE_DIR": elsewhere},
+    )  # fmt: skip
+    assert back.exit_code == 0, back.output
+    assert [e["op"] for e in store.read().entries if e.get("type") == "admin"] == ["retire"]
+
+
+def _in_child_as_nobody(fn: Any) -> Any:
+    """Run `fn` in a forked child that cannot read root's private files.
+
+    As root (CI, this container) the child drops to uid/gid 65534; as another user it keeps its
+    uid, and files made unreadable with chmod are unreadable to it anyway.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.SimpleQueue()
+
+    def child() -> None:
+        if os.geteuid() == 0:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+        try:
+            queue.put(("ok", fn()))
+        except BaseException as exc:  # the parent re-raises it with its type and message
+            queue.put(("error", f"{type(exc).__name__}: {exc}"))
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    status, value = queue.get()
+    proc.join(30)
+    assert status == "ok", value
+    return value
+
+
+def test_watcher_reports_unreadable_run_dirs_and_goes_on(slurm: FakeSlurm, tmp_path: Path) -> None:
+    """A 0700 run dir of another user and an alarm written 0600 must not hide later runs."""
+    base = tmp_path / "open"
+    runs, state = base / "runs", base / "state"
+    for d in (base, runs, state):
+        d.mkdir(parents=True, exist_ok=True)
+    for d in (tmp_path, *tmp_path.parents):  # let the child reach its files under tmp_path
+        if d != d.parent:
+            d.chmod(d.stat().st_mode | 0o011)
+    os.chmod(base, 0o755)
+    os.chmod(runs, 0o755)
+    os.chmod(state, 0o777)
+    private = runs / "a-private"
+    write_alarm(private, make_alarm(job_id="101", alarm_id="p1"))
+    private.chmod(0o700 if os.geteuid() == 0 else 0o000)
+    locked = runs / "b-locked"
+    path = write_alarm(locked, make_alarm(job_id="102", alarm_id="l1"))
+    for d in (locked, locked / "alarms"):
+        d.chmod(0o755)
+    path.chmod(0o600 if os.geteuid() == 0 else 0o000)
+    readable = runs / "c-readable"
+    write_alarm(readable, make_alarm(job_id="100", alarm_id="r1"))
+    for p in (readable, readable / "alarms"):
+        p.chmod(0o755)
+    (readable / "alarms" / "r1.json").chmod(0o644)
+
+    def scan_twice() -> tuple[list[list[str]], list[list[str]], list[tuple[str, ...]]]:
+        eng = Engine(slurm, StateStore(state), Policy())
+        first = [r.lines() for r in scan_once(eng, runs)]
+        again = [r.lines() for r in scan_once(eng, runs)]
+        return first, again, slurm.calls
+
+    try:
+        first, again, calls = _in_child_as_nobody(scan_twice)
+    finally:
+        private.chmod(0o755)
+        path.chmod(0o644)
+    assert [c[0] for c in calls].count("drain") == 1  # the readable run was acted on
+    text = "\n".join(line for lines in first for line in lines)
+    assert "job 100" in text and "alarm r1: act" in text
+    assert f"{private}: cannot read (Permission denied)" in text
+    assert f"{path}" in text and "Permission denied" in text.split(f"{path}", 1)[1]
+    assert again == []  # reported once, not on every pass
+
+
+def test_recover_help_recovers_on_any_failure_like_the_launcher() -> None:
+    """With --kill-on-bad-exit a guard stop often ends srun with 143: `-eq 86` would miss it."""
+    from slurm_guard.slurm.launch import recovery_lines
+
+    help_text = CliRunner().invoke(main, ["recover", "--help"]).output
+    assert "-eq 86" not in help_text
+    assert '[ $rc -ne 0 ] && slurm-guard recover --run-dir "$RUN_DIR"' in help_text
+    assert any('[ "$sg_rc" -ne 0 ]' in line for line in recovery_lines(Path("/runs/r"), None))
+
+
+@pytest.mark.parametrize(
+    ("exit_code2", "failed"),
+    [("86:0", True), ("143:0", True), ("0:15", True), ("1:0", True), ("0:0", False), ("", True)],
+)
+def test_epilog_counts_every_failed_end(exit_code2: str, failed: bool) -> None:
+    from slurm_guard.controller.intake import job_failed
+
+    assert job_failed(exit_code2) is failed

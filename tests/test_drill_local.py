@@ -23,7 +23,7 @@ def test_local_drill_passes_every_stage(tmp_path: Path) -> None:
     assert all(s["passed"] for s in report["stages"]), report
     assert any("bit-identical" in n for n in names)
     assert any("controller decision" in n for n in names)
-    assert "would drain node2 slurm-guard: job 1001 step 20 check replay" in result.output
+    assert "would drain node2: slurm-guard: job 1001 step 20 check replay" in result.output
 
     clean, faulty = read_result(tmp_path / "clean"), read_result(tmp_path / "faulty")
     assert clean is not None and faulty is not None

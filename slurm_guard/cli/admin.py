@@ -21,51 +21,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from slurm_guard.cli.options import dry_run_option, json_option, runs_root_option, state_dir_option
 from slurm_guard.controller.policy import Policy, PolicyError
 from slurm_guard.controller.state import StateError, StateStore
-from slurm_guard.protocol import DEFAULT_STATE_DIR
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
 
-    from slurm_guard.controller.engine import Engine, JobReport
+    from slurm_guard.controller.engine import Engine
+    from slurm_guard.controller.report import JobReport
     from slurm_guard.slurm.client import SlurmClient
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 EPILOG_RETRY_LOCK_S = 0.5  # an epilog retries other jobs only if the state lock is free
-
-
-def _state_dir_option(f: F) -> F:
-    return click.option(
-        "--state-dir",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=DEFAULT_STATE_DIR,
-        envvar="SLURM_GUARD_STATE_DIR",
-        show_default=True,
-        help="Controller state (journal, lock, policy.json). Admin-owned, never the run dir.",
-    )(f)
-
-
-def _runs_root_option(f: F) -> F:
-    return click.option(
-        "--runs-root",
-        type=click.Path(file_okay=False, path_type=Path),
-        default=None,
-        envvar="SLURM_GUARD_RUNS_ROOT",
-        help="Directory holding run directories (fallback when a job has no slurm-guard comment).",
-    )(f)
-
-
-def _dry_run_option(f: F) -> F:
-    return click.option(
-        "--dry-run", is_flag=True, help="Show what would change in the cluster; change nothing."
-    )(f)
-
-
-def _json_option(f: F) -> F:
-    return click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")(f)
 
 
 def _client(ctx: click.Context) -> SlurmClient:
@@ -96,7 +66,7 @@ def _handle_errors(f: F) -> F:
 
     @wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from slurm_guard.controller.engine import EngineError
+        from slurm_guard.controller.report import EngineError
         from slurm_guard.slurm.client import SlurmCommandError, SlurmUnavailable
 
         try:
@@ -120,7 +90,7 @@ def _admin_name() -> str:
 
 
 def _print_reports(reports: list[JobReport], as_json: bool) -> None:
-    from slurm_guard.controller.engine import summarize
+    from slurm_guard.controller.report import summarize
 
     if as_json:
         click.echo(json.dumps(summarize(reports), indent=2, sort_keys=True))
@@ -209,9 +179,9 @@ def _print_status(view: dict[str, Any]) -> None:
 
 @click.command("status")
 @click.argument("target", required=False)
-@_json_option
-@_state_dir_option
-@_runs_root_option
+@json_option
+@state_dir_option
+@runs_root_option()
 @click.pass_context
 @_handle_errors
 def status_cmd(
@@ -247,8 +217,8 @@ def status_cmd(
 
 
 @click.group("review", invoke_without_command=True)
-@_json_option
-@_state_dir_option
+@json_option
+@state_dir_option
 @click.pass_context
 @_handle_errors
 def review_group(ctx: click.Context, as_json: bool, state_dir: Path) -> None:
@@ -260,8 +230,6 @@ def review_group(ctx: click.Context, as_json: bool, state_dir: Path) -> None:
         slurm-guard review
         slurm-guard review approve a1b2c3 --reason "replay evidence is clear"
     """
-    ctx.ensure_object(dict)
-    ctx.obj["state_dir"] = state_dir
     if ctx.invoked_subcommand is not None:
         return
     from slurm_guard.controller.views import review_view
@@ -303,18 +271,17 @@ def review_group(ctx: click.Context, as_json: bool, state_dir: Path) -> None:
         click.echo(f"pending job {p['job_id']}: {p.get('reason')} ({p.get('attempts')} attempts)")
 
 
-def _review_state_dir(ctx: click.Context) -> Path:
-    state_dir: Path = ctx.obj["state_dir"]
-    return state_dir
-
-
 @review_group.command("approve")
 @click.argument("alarm_id")
 @click.option("--reason", required=True, help="Why the alarm is approved (recorded).")
-@_dry_run_option
+@dry_run_option
 @click.pass_context
+@state_dir_option
+@json_option
 @_handle_errors
-def review_approve(ctx: click.Context, alarm_id: str, reason: str, dry_run: bool) -> None:
+def review_approve(
+    ctx: click.Context, alarm_id: str, reason: str, dry_run: bool, state_dir: Path, as_json: bool
+) -> None:
     """Drain an alarm's suspects and requeue its job excluding them (policy approve, breaker).
 
     Example:
@@ -322,17 +289,20 @@ def review_approve(ctx: click.Context, alarm_id: str, reason: str, dry_run: bool
         \b
         slurm-guard review approve 20260101-0042-replay --reason "two replays agree"
     """
-    engine = _engine(ctx, _review_state_dir(ctx), dry_run)
-    _print_reports([engine.approve(alarm_id, reason, _admin_name())], as_json=False)
+    engine = _engine(ctx, state_dir, dry_run)
+    _print_reports([engine.approve(alarm_id, reason, _admin_name())], as_json)
 
 
 @review_group.command("return")
 @click.argument("node")
 @click.option("--reason", required=True, help="Why the node may serve again (recorded).")
-@_dry_run_option
+@dry_run_option
 @click.pass_context
+@state_dir_option
 @_handle_errors
-def review_return(ctx: click.Context, node: str, reason: str, dry_run: bool) -> None:
+def review_return(
+    ctx: click.Context, node: str, reason: str, dry_run: bool, state_dir: Path
+) -> None:
     """Resume a node slurm-guard drained, after diagnostics cleared it.
 
     Nodes drained for any other reason are refused.
@@ -342,17 +312,20 @@ def review_return(ctx: click.Context, node: str, reason: str, dry_run: bool) -> 
         \b
         slurm-guard review return node2 --reason "dcgmi diag -r 3 passed, GPU reseated"
     """
-    engine = _engine(ctx, _review_state_dir(ctx), dry_run)
+    engine = _engine(ctx, state_dir, dry_run)
     click.echo(engine.return_node(node, reason, _admin_name()))
 
 
 @review_group.command("retire")
 @click.argument("node")
 @click.option("--reason", required=True, help="Why the node stays out (recorded).")
-@_dry_run_option
+@dry_run_option
 @click.pass_context
+@state_dir_option
 @_handle_errors
-def review_retire(ctx: click.Context, node: str, reason: str, dry_run: bool) -> None:
+def review_retire(
+    ctx: click.Context, node: str, reason: str, dry_run: bool, state_dir: Path
+) -> None:
     """Keep a node slurm-guard drained out of service for replacement (state FAIL).
 
     Example:
@@ -360,7 +333,7 @@ def review_retire(ctx: click.Context, node: str, reason: str, dry_run: bool) -> 
         \b
         slurm-guard review retire node2 --reason "GPU 3 fails replay again, RMA 1234"
     """
-    engine = _engine(ctx, _review_state_dir(ctx), dry_run)
+    engine = _engine(ctx, state_dir, dry_run)
     click.echo(engine.retire_node(node, reason, _admin_name()))
 
 
@@ -375,9 +348,9 @@ def review_retire(ctx: click.Context, node: str, reason: str, dry_run: bool) -> 
     required=True,
     help="The job's run directory (default: $SLURM_GUARD_RUN_DIR).",
 )
-@_state_dir_option
-@_dry_run_option
-@_json_option
+@state_dir_option
+@dry_run_option
+@json_option
 @click.pass_context
 @_handle_errors
 def recover_cmd(
@@ -386,12 +359,15 @@ def recover_cmd(
     """In-job recovery: act on this job's alarms right after `srun` returns.
 
     Put it in the batch script after srun; it reads $SLURM_JOB_ID. Requeuing the job ends the
-    batch script, so make it the last command.
+    batch script, so make it the last command. Run it on any non-zero status, as the launcher
+    does: with --kill-on-bad-exit a guard stop often ends srun with 143 or a signal, not 86.
 
     Example:
 
-        srun python train.py; rc=$?
-        [ $rc -eq 86 ] && slurm-guard recover --run-dir "$RUN_DIR"
+        \b
+        srun --kill-on-bad-exit=1 python train.py; rc=$?
+        [ $rc -ne 0 ] && slurm-guard recover --run-dir "$RUN_DIR"
+        exit $rc
     """
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
@@ -404,13 +380,7 @@ def recover_cmd(
 
 @click.command("controller")
 @click.option("--watch", is_flag=True, help="Keep scanning (a service); default is one pass.")
-@click.option(
-    "--runs-root",
-    type=click.Path(exists=True, file_okay=False, path_type=Path),
-    envvar="SLURM_GUARD_RUNS_ROOT",
-    required=True,
-    help="Directory holding the run directories (one or two levels below).",
-)
+@runs_root_option(required=True, exists=True)
 @click.option(
     "--interval",
     type=float,
@@ -418,9 +388,9 @@ def recover_cmd(
     show_default=True,
     help="Seconds between scans with --watch.",
 )
-@_state_dir_option
-@_dry_run_option
-@_json_option
+@state_dir_option
+@dry_run_option
+@json_option
 @click.pass_context
 @_handle_errors
 def controller_cmd(
@@ -454,9 +424,9 @@ def controller_cmd(
 
 
 @click.command("epilog")
-@_state_dir_option
-@_runs_root_option
-@_dry_run_option
+@state_dir_option
+@runs_root_option()
+@dry_run_option
 @click.pass_context
 @_handle_errors
 def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_run: bool) -> None:
@@ -468,9 +438,8 @@ def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_
 
         SLURM_JOB_ID=4242 slurm-guard epilog --state-dir /var/lib/slurm-guard --dry-run
     """
-    from slurm_guard.controller.intake import find_run_dir, run_dir_from_comment
+    from slurm_guard.controller.intake import find_run_dir, job_failed, run_dir_from_comment
     from slurm_guard.controller.views import job_comment
-    from slurm_guard.errors import EXIT_SDC
     from slurm_guard.slurm.parsers import expand_hostlist
 
     job_id = os.environ.get("SLURM_JOB_ID")
@@ -488,9 +457,10 @@ def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_
             click.echo(f"job {job_id}: slurmctld unreachable ({exc}); the watcher retries")
             comment = None
     exit_code = os.environ.get("SLURM_JOB_EXIT_CODE2", "")
-    # Scanning the runs root costs file reads: only for jobs the guard stopped.
-    guard_exit = exit_code.split(":")[0] == str(EXIT_SDC)
-    run_dir, how = find_run_dir(job_id, comment, runs_root if guard_exit else None)
+    # Scanning the runs root costs file reads: only for jobs that failed (any non-zero exit or
+    # signal; a guard stop under srun --kill-on-bad-exit usually ends the job with 143).
+    failed = job_failed(exit_code)
+    run_dir, how = find_run_dir(job_id, comment, runs_root if failed else None)
     if run_dir is None:
         click.echo(f"job {job_id}: not a slurm-guard run ({how})")
     else:

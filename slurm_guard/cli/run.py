@@ -14,7 +14,7 @@ from pathlib import Path
 
 import click
 
-from slurm_guard.protocol import DEFAULT_STATE_DIR
+from slurm_guard.cli.options import dry_run_option, json_option, state_dir_option
 
 
 def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
@@ -64,14 +64,7 @@ def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
     help="Where the runs go (shared storage for the Slurm drill; default: a new "
     "temporary directory).",
 )
-@click.option(
-    "--state-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=DEFAULT_STATE_DIR,
-    envvar="SLURM_GUARD_STATE_DIR",
-    show_default=True,
-    help="Controller state directory (share the epilog's).",
-)
+@state_dir_option
 @click.option(
     "--timeout", type=float, default=300.0, show_default=True, help="Seconds each stage may wait."
 )
@@ -87,7 +80,7 @@ def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
     metavar="KEY=VALUE",
     help="Extra sbatch option for the drill jobs, e.g. --sbatch partition=debug.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Also print the report as JSON.")
+@json_option(help="Also print the report as JSON.")
 def drill_cmd(
     local: bool,
     nodes: int,
@@ -185,12 +178,7 @@ def drill_cmd(
     "--tasks-per-node", type=click.IntRange(min=1), default=None, help="Override tasks per node."
 )
 @click.option("--job-name", default="guarded-ddp", show_default=True)
-@click.option(
-    "--state-dir",
-    default=str(DEFAULT_STATE_DIR),
-    show_default=True,
-    help="State dir for the in-job recovery ($SLURM_GUARD_STATE_DIR wins in the job).",
-)
+@state_dir_option
 @click.option(
     "--sbatch",
     "sbatch_args",
@@ -204,7 +192,7 @@ def drill_cmd(
     default=None,
     help="Template to render (default: sbatch_templates/guarded_ddp.sbatch).",
 )
-@click.option("--dry-run", is_flag=True, help="Print the batch script; submit nothing.")
+@dry_run_option(help="Print the batch script; submit nothing.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def submit_cmd(
     run_dir: Path,
@@ -212,7 +200,7 @@ def submit_cmd(
     gpus_per_node: int,
     tasks_per_node: int | None,
     job_name: str,
-    state_dir: str,
+    state_dir: Path,
     sbatch_args: tuple[str, ...],
     template: Path | None,
     dry_run: bool,
@@ -248,7 +236,7 @@ def submit_cmd(
             tasks_per_node=tasks_per_node,
             train_command=list(command) or default_train_command(),
             job_name=job_name,
-            state_dir=state_dir,
+            state_dir=str(state_dir),
             sbatch_options=_sbatch_options(sbatch_args),
             template=(template or template_path()).read_text(),
         )

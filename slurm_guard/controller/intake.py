@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +35,28 @@ class BadAlarmFile:
     fingerprint: str  # path + size + mtime: report each broken file once, not every scan
 
 
+def unreadable(path: Path, exc: OSError) -> BadAlarmFile:
+    """A file or directory the controller may not read, with what to do about it."""
+    try:
+        st = os.lstat(path)
+        fingerprint = f"{path}:unreadable:{st.st_mode:o}:{st.st_uid}:{st.st_mtime_ns}"
+    except OSError:
+        fingerprint = f"{path}:unreadable:{exc.errno}"
+    return BadAlarmFile(
+        path,
+        f"{path}: cannot read ({exc.strerror or exc}) as uid {os.geteuid()}; alarms in it "
+        "are not acted on. Make run directories and their records readable by the "
+        "controller's user (e.g. umask 022 in the job), or run the controller as that user",
+        fingerprint,
+    )
+
+
 def read_alarm_files(run_dir: Path) -> tuple[list[AlarmFile], list[BadAlarmFile]]:
-    """Every alarm of a run directory, oldest first, and every file that could not be used."""
+    """Every alarm of a run directory, oldest first, and every file that could not be used.
+
+    Never raises for what a user can do to their run directory (unreadable files and
+    directories included): each such problem is one BadAlarmFile, the rest is still read.
+    """
     rd = RunDir(run_dir)
     good: list[AlarmFile] = []
     bad: list[BadAlarmFile] = []
@@ -45,22 +65,36 @@ def read_alarm_files(run_dir: Path) -> tuple[list[AlarmFile], list[BadAlarmFile]
         st = os.lstat(alarms_dir)
     except FileNotFoundError:
         return good, bad
+    except OSError as exc:
+        return good, [unreadable(alarms_dir, exc)]
     if not stat.S_ISDIR(st.st_mode):
         bad.append(
             BadAlarmFile(alarms_dir, f"{alarms_dir}: not a directory (a symlink?)", str(alarms_dir))
         )
         return good, bad
-    paths = sorted(alarms_dir.glob("*.json"))[:MAX_ALARM_FILES]
-    for path in paths:
+    try:
+        # Not Path.glob: it hides an unreadable directory behind an empty listing.
+        names = sorted(n for n in os.listdir(alarms_dir) if n.endswith(".json"))
+    except FileNotFoundError:
+        return good, bad
+    except OSError as exc:
+        return good, [unreadable(alarms_dir, exc)]
+    for path in (alarms_dir / n for n in names[:MAX_ALARM_FILES]):
         try:
             fst = os.lstat(path)
         except FileNotFoundError:
+            continue
+        except OSError as exc:
+            bad.append(unreadable(path, exc))
             continue
         fingerprint = f"{path}:{fst.st_size}:{fst.st_mtime_ns}"
         try:
             alarm = read_alarm(path)
         except RecordError as exc:
             bad.append(BadAlarmFile(path, str(exc), fingerprint))
+            continue
+        except OSError as exc:
+            bad.append(unreadable(path, exc))
             continue
         if alarm.alarm_id != path.stem:
             bad.append(
@@ -90,22 +124,66 @@ def run_dir_from_comment(comment: str | None) -> Path | None:
     return None
 
 
-def iter_run_dirs(runs_root: Path, depth: int = 2) -> Iterator[Path]:
-    """Run directories (a `run.json` or an `alarms/` inside) at most `depth` levels below."""
+def iter_run_dirs(
+    runs_root: Path,
+    depth: int = 2,
+    on_error: Callable[[Path, OSError], None] | None = None,
+) -> Iterator[Path]:
+    """Run directories (a `run.json` or an `alarms/` inside) at most `depth` levels below.
+
+    A directory that cannot be listed or looked into is passed to `on_error` (the watcher
+    reports it) and skipped; the walk goes on with the others.
+    """
     level = [runs_root]
     for _ in range(depth):
         nxt: list[Path] = []
         for d in level:
             try:
-                children = sorted(p for p in d.iterdir() if p.is_dir() and not p.is_symlink())
-            except OSError:
+                with os.scandir(d) as entries:
+                    children = sorted(
+                        Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)
+                    )
+            except OSError as exc:
+                if on_error is not None:
+                    on_error(d, exc)
                 continue
             for child in children:
-                if (child / "run.json").is_file() or (child / "alarms").is_dir():
+                try:
+                    is_run = _is(child / "run.json", stat.S_ISREG) or _is(
+                        child / "alarms", stat.S_ISDIR
+                    )
+                except OSError as exc:
+                    if on_error is not None:
+                        on_error(child, exc)
+                    continue
+                if is_run:
                     yield child
                 else:
                     nxt.append(child)
         level = nxt
+
+
+def _is(path: Path, kind: Callable[[int], bool]) -> bool:
+    """Like Path.is_file/is_dir, but "permission denied" raises instead of reading as "no"."""
+    try:
+        return kind(os.stat(path).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def job_failed(exit_code2: str | None) -> bool:
+    """Whether a job ended badly, from EpilogSlurmctld's SLURM_JOB_EXIT_CODE2 ("exit:signal").
+
+    Any non-zero exit status or signal counts, not only the guard's own exit code: with
+    `srun --kill-on-bad-exit=1` the other ranks are killed when the first exits 86, and the
+    job usually ends with 143 (SIGTERM) or a signal instead. Missing or unreadable counts as
+    failed: looking costs a directory scan, missing an alarm costs a node that stays in use.
+    """
+    exit_code, _, signal = (exit_code2 or "").strip().partition(":")
+    try:
+        return int(exit_code) != 0 or int(signal or "0") != 0
+    except ValueError:
+        return True
 
 
 def run_dir_job_ids(run_dir: Path) -> set[str]:

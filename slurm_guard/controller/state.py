@@ -290,3 +290,54 @@ class StateStore:
             if isinstance(obj, dict) and isinstance(obj.get("job_id"), str):
                 out[obj["job_id"]] = obj
         return out
+
+
+class ScratchStore(StateStore):
+    """A dry run's view of a state directory: reads the real journal, writes only to memory.
+
+    The engine runs the same code in a dry run as for real; what it would journal or mark
+    pending stays in this object, so later steps of the same run see it and nothing on disk
+    changes (not even the lock file or the directory). No lock is taken: a dry run changes
+    nothing, and reading a journal that another process appends to is safe (whole lines).
+    """
+
+    def __init__(self, root: str | os.PathLike[str] = DEFAULT_STATE_DIR) -> None:
+        super().__init__(root)
+        self.appended: list[dict[str, Any]] = []
+        self._pending: dict[str, dict[str, Any] | None] = {}  # None: cleared in this run
+
+    @contextmanager
+    def locked(self, timeout_s: float = 30.0) -> Iterator[None]:
+        yield
+
+    def read(self) -> Journal:
+        return Journal(super().read().entries + self.appended)
+
+    def append(self, entry_type: str, **fields: Any) -> dict[str, Any]:
+        entry = {"type": entry_type, "time": time.time(), **fields}
+        self.appended.append(json.loads(json.dumps(entry, sort_keys=True)))
+        return entry
+
+    def add_pending(
+        self, job_id: str, run_dir: Path, reason: str, allocation: tuple[str, ...] = ()
+    ) -> None:
+        previous = self.pending().get(job_id, {})
+        self._pending[job_id] = {
+            **previous,
+            "job_id": job_id,
+            "run_dir": str(run_dir),
+            "reason": reason,
+            "allocation": list(allocation or previous.get("allocation", ())),
+        }
+
+    def clear_pending(self, job_id: str) -> None:
+        self._pending[job_id] = None
+
+    def pending(self) -> dict[str, dict[str, Any]]:
+        out = super().pending()
+        for job_id, entry in self._pending.items():
+            if entry is None:
+                out.pop(job_id, None)
+            else:
+                out[job_id] = entry
+        return out

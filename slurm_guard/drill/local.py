@@ -21,6 +21,9 @@ from slurm_guard.drill.stages import (
     make_work_dir,
     short_digest,
 )
+from slurm_guard.protocol import EXIT_SDC
+from slurm_guard.slurm.dry_run import DryRunSlurm
+from slurm_guard.slurm.parsers import JobInfo, NodeInfo
 
 
 def _local_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -51,77 +54,28 @@ def _ranks_ok(outcomes: Sequence[Any], what: str) -> list[list[dict[str, Any]]]:
     return [o.value for o in outcomes]
 
 
-class _SimulatedSlurm:
-    """Just enough of a SlurmClient for a dry-run controller: the job and its nodes.
-
-    The drill's local job ended with the guard's exit code on `nodes`; every node is idle
-    with no reason. Anything that would change the cluster raises: a dry run must not try.
-    """
-
-    def __init__(self, job_id: str, nodes: Sequence[str]) -> None:
-        from slurm_guard.slurm.parsers import JobInfo, NodeInfo
-
-        self._job = JobInfo(
-            job_id=job_id,
-            state="FAILED",
-            reason="NonZeroExitCode",
-            nodes=tuple(nodes),
-            user=os.environ.get("USER", "user"),
-            user_id=os.getuid(),
-            restart_count=0,
-            exit_code=86,
-            exit_signal=0,
-            excluded_nodes=(),
-            work_dir=os.getcwd(),
-            name="drill",
-            requeue=True,
-            held=False,
-        )
-        self._nodes = {
-            n: NodeInfo(n, frozenset({"IDLE"}), None, None, "127.0.0.1", "localhost") for n in nodes
-        }
-
-    def job(self, job_id: str) -> Any:
-        return self._job if job_id == self._job.job_id else None
-
-    def node(self, name: str) -> Any:
-        return self._nodes[name]
-
-    def nodes(self) -> list[Any]:
-        return list(self._nodes.values())
-
-    def expand_hostlist(self, expression: str) -> list[str]:
-        from slurm_guard.slurm.parsers import expand_hostlist
-
-        return expand_hostlist(expression)
-
-    def _refuse(self, *_args: Any) -> None:
-        raise DrillError("the local drill's controller is a dry run; it changes nothing")
-
-    def drain(self, node: str, reason: str) -> None:
-        self._refuse(node, reason)
-
-    def resume(self, node: str) -> None:
-        self._refuse(node)
-
-    def fail(self, node: str, reason: str) -> None:
-        self._refuse(node, reason)
-
-    def requeue_hold(self, job_id: str) -> None:
-        self._refuse(job_id)
-
-    def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
-        self._refuse(job_id, nodes)
-
-    def release(self, job_id: str) -> None:
-        self._refuse(job_id)
-
-    def set_start_time(self, job_id: str, when: str) -> None:
-        self._refuse(job_id, when)
-
-    def submit(self, script: Path, args: Sequence[str] = ()) -> str:
-        self._refuse(script, args)
-        return ""
+def _local_slurm(job_id: str, nodes: Sequence[str]) -> DryRunSlurm:
+    """What Slurm would say after the faulty local run: the job ended with the guard's exit
+    code on `nodes`, every node idle with no reason. A DryRunSlurm with these facts and no
+    cluster behind it: the controller decides for real and changes nothing."""
+    job = JobInfo(
+        job_id=job_id,
+        state="FAILED",
+        reason="NonZeroExitCode",
+        nodes=tuple(nodes),
+        user=os.environ.get("USER", "user"),
+        user_id=os.getuid(),
+        restart_count=0,
+        exit_code=EXIT_SDC,
+        exit_signal=0,
+        excluded_nodes=(),
+        work_dir=os.getcwd(),
+        name="drill",
+        requeue=True,
+        held=False,
+    )
+    idle = [NodeInfo(n, frozenset({"IDLE"}), None, None, "127.0.0.1", "localhost") for n in nodes]
+    return DryRunSlurm(None, jobs=[job], nodes=idle)
 
 
 def run_local_drill(
@@ -137,9 +91,7 @@ def run_local_drill(
     `nodes` local processes pose as node1..nodeN (N >= 3: one suspect needs two witnesses);
     the resumed run uses node1, node3..node{N+1}, i.e. without the suspect node2.
     """
-    from slurm_guard.controller.engine import Engine
-    from slurm_guard.controller.policy import Policy
-    from slurm_guard.controller.state import StateStore
+    from slurm_guard.controller import handle_job
     from slurm_guard.examples.train import TrainSettings, read_result
     from slurm_guard.local_launch import run_local
     from slurm_guard.protocol import REASON_PREFIX
@@ -214,21 +166,23 @@ def run_local_drill(
             )
             report.facts["alarm"] = alarm
         with rec.stage("controller decision (dry run)") as d:
-            store = StateStore(work / "controller-state")
-            engine = Engine(_SimulatedSlurm(LOCAL_JOB_ID, names), store, Policy(), dry_run=True)
-            job_report = engine.process_job(LOCAL_JOB_ID, faulty_dir, allocation=tuple(names))
+            job_report = handle_job(
+                LOCAL_JOB_ID,
+                faulty_dir,
+                state_dir=work / "controller-state",
+                client=_local_slurm(LOCAL_JOB_ID, names),
+                allocation=tuple(names),
+                dry_run=True,
+            )
             decision = job_report.decisions.get(alarm["alarm_id"])
             check(decision is not None, f"no decision for the alarm: {job_report.lines()}")
             assert decision is not None
             check(decision[0] == "act", f"decision {decision}")
             drains = [a for a in job_report.actions if a.startswith("would drain ")]
             check(len(drains) == 1, f"drains {drains}, expected exactly one")
-            check(drains[0].startswith(f"would drain node2 {REASON_PREFIX}"), drains[0])
+            check(drains[0].startswith(f"would drain node2: {REASON_PREFIX}"), drains[0])
             check(
-                any(
-                    a.startswith(f"would exclude {LOCAL_JOB_ID} 0 node2")
-                    for a in job_report.actions
-                ),
+                f"would exclude node2 from job {LOCAL_JOB_ID}" in job_report.actions,
                 f"no exclusion of node2 in {job_report.actions}",
             )
             d.append(f"decision: {decision[1]}")

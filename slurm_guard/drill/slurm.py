@@ -20,6 +20,7 @@ from slurm_guard.drill.stages import (
     poll,
     short_digest,
 )
+from slurm_guard.protocol import DEFAULT_STATE_DIR
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class SlurmDrillOptions:
     steps: int = 30
     via: str = "submitit"
     controller: str = "in-job"
-    state_dir: Path = Path("/var/lib/slurm-guard")
+    state_dir: Path = DEFAULT_STATE_DIR
     timeout: float = 300.0
     keep_drained: bool = False
     sbatch_options: tuple[tuple[str, str], ...] = ()
@@ -102,9 +103,7 @@ def run_slurm_drill(
     echo: Echo = print,
 ) -> DrillReport:
     """The drill on a real cluster (see the module docstring). `work_dir` must be shared."""
-    from slurm_guard.controller.engine import Engine
-    from slurm_guard.controller.policy import Policy
-    from slurm_guard.controller.state import StateStore
+    from slurm_guard.controller import open_engine
     from slurm_guard.examples.train import (
         FAULT_FILE,
         TrainSettings,
@@ -273,7 +272,7 @@ def run_slurm_drill(
             d.append(f"sha256 {a}")
         if not opts.keep_drained:
             with rec.stage(f"return {fault_node} to service (review return)") as d:
-                engine = Engine(client, StateStore(opts.state_dir), Policy.load(opts.state_dir))
+                engine = open_engine(opts.state_dir, client)
                 d.append(
                     engine.return_node(
                         fault_node,

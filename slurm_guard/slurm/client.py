@@ -46,6 +46,8 @@ __all__ = [
     "subprocess_runner",
     "validate_job_id",
     "validate_node_name",
+    "validate_reason",
+    "validate_start_time",
 ]
 
 logger = logging.getLogger(__name__)
@@ -157,12 +159,20 @@ def validate_job_id(job_id: str) -> str:
     return job_id
 
 
-def _validate_reason(reason: str) -> str:
+def validate_reason(reason: str) -> str:
+    """Return ``reason`` if Slurm accepts it as a drain/fail reason (one non-empty line)."""
     if not reason or not reason.strip():
         raise ValueError("a drain/fail reason is required (Slurm refuses an empty one)")
     if any(ch in reason for ch in "\n\r\0"):
         raise ValueError(f"reason must be a single line: {reason!r}")
     return reason
+
+
+def validate_start_time(when: str) -> str:
+    """Return ``when`` if it is a StartTime value such as ``now+2`` or an ISO time."""
+    if not _START_TIME_RE.match(when):
+        raise ValueError(f"invalid StartTime {when!r}: use e.g. 'now+2' or an ISO time")
+    return when
 
 
 class SlurmClient(Protocol):
@@ -341,7 +351,7 @@ class CommandSlurmClient:
         argv = ["scontrol", "update", f"NodeName={validate_node_name(node)}", f"State={state}"]
         if reason is not None:
             # One argv element: no shell, so spaces in the reason need no quoting.
-            argv.append(f"Reason={_validate_reason(reason)}")
+            argv.append(f"Reason={validate_reason(reason)}")
         self.run(argv)
         logger.info("slurm: node %s State=%s reason=%r", node, state, reason)
 
@@ -380,8 +390,7 @@ class CommandSlurmClient:
         credential revoked" if it starts in the same second as the requeue; ``now+2`` is
         safe and much sooner than the default (requeue time + cred_expire + 1).
         """
-        if not _START_TIME_RE.match(when):
-            raise ValueError(f"invalid StartTime {when!r}: use e.g. 'now+2' or an ISO time")
+        when = validate_start_time(when)
         self.run(["scontrol", "update", f"JobId={validate_job_id(job_id)}", f"StartTime={when}"])
 
     def submit(self, script: Path, args: Sequence[str] = ()) -> str:
