@@ -1,13 +1,20 @@
 """The DDP communication hook: checks on each gradient bucket, in the pass DDP makes anyway.
 
-Per bucket, before the all-reduce, a linear sketch s(g) = <g, r> with a random +-1 vector r
-shared by all ranks (the run's seed), accumulated in float64, and the bucket's L1 norm:
+Per bucket, before the all-reduce, one fused pass (`slurm_guard.kernels.sketch.bucket_check`:
+C on CPU, Triton on CUDA, torch ops elsewhere, all bit-identical) computes in float64 a linear
+sketch s(g) = <g, r> with a random +-1 vector r shared by all ranks (generated from a hash of the
+run's seed and the element index: nothing stored, no temporary), and the bucket's L1 norm:
 - the sketch is non-finite iff some gradient element is (multiplying by +-1 is exact and a float64
-  sum of float32/bf16 values cannot overflow), so it *is* the finite check;
+  sum of float32/bf16/fp16 values cannot overflow), so it *is* the finite check;
 - averaging conserves it: the mean over ranks of s(g_local) must equal s(g_averaged) up to the
   rounding of the reduction, which the L1 norms bound (see `verdicts.conservation_bound`).
-After the all-reduce, the sketch of the averaged bucket. On verification steps also the exact
-fingerprint of each parameter's local gradient (the reduction overwrites the buffer).
+After the all-reduce, the sketch of the averaged bucket, by the same pass. On verification steps
+also the exact fingerprint of each parameter's local gradient (the reduction overwrites the
+buffer).
+
+Averaging follows DDP's default hook: float16/bfloat16 buckets are divided by the world size
+before the all-reduce (so a sum that overflows the format but whose mean does not stays finite,
+as in plain DDP), wider types after it.
 
 The values stay on the device as tensors; the guard reads them once per step in its verdict
 collective, so the hook adds no synchronisation.
@@ -21,13 +28,21 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # the class DDP compares against
 
 from slurm_guard.fingerprint import Fingerprinter
+from slurm_guard.kernels.sketch import bucket_check, seed_words, sign_bits
+
+PRE_DIVIDED = (torch.float16, torch.bfloat16)  # as DDP's default allreduce hook
 
 
 class SignVectors:
-    """The shared random +-1 vector r, grown on demand and cached per device and dtype."""
+    """The shared random +-1 vector r: `words` seed the hash the bucket kernels draw it from.
+
+    `get` materialises the same r (for the per-parameter sketches of tolerance mode), grown on
+    demand and cached per device and dtype; the hook's kernels never store it.
+    """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
+        self.words = seed_words(seed)
         self._cache: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def get(self, numel: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -35,9 +50,8 @@ class SignVectors:
         signs = self._cache.get(key)
         if signs is None or signs.numel() < numel:
             size = max(numel, 2 * (signs.numel() if signs is not None else 0))
-            gen = torch.Generator().manual_seed(self.seed ^ 0x5EED)
-            bits = torch.randint(0, 2, (size,), generator=gen, dtype=torch.int8)
-            signs = (bits * 2 - 1).to(device=device, dtype=dtype)
+            negative = sign_bits(size, self.words, torch.device("cpu"))
+            signs = (1 - 2 * negative.to(torch.int8)).to(device=device, dtype=dtype)
             self._cache[key] = signs
         return signs[:numel]
 
@@ -60,6 +74,8 @@ class HookState:
     reduced_sketches: dict[int, torch.Tensor] = field(default_factory=dict)  # by bucket index
     local_fingerprints: dict[int, torch.Tensor] = field(default_factory=dict)
     largest_bucket: int = 0
+    buckets: int = 0  # buckets checked this step: the rounding bound's bucket-sum term
+    elements: int = 0  # elements checked this step: the bound's fp16/bf16 underflow term
 
     def reset(self, *, fingerprint_local: bool, sketch_local: bool = False) -> None:
         self.fingerprint_local = fingerprint_local
@@ -68,6 +84,8 @@ class HookState:
         self.local_l1 = []
         self.reduced_sketches = {}
         self.local_fingerprints = {}
+        self.buckets = 0
+        self.elements = 0
 
 
 def param_sketch(signs: SignVectors, grad: torch.Tensor) -> torch.Tensor:
@@ -79,8 +97,8 @@ def param_sketch(signs: SignVectors, grad: torch.Tensor) -> torch.Tensor:
 
 
 def _sketch(state: HookState, buffer: torch.Tensor) -> torch.Tensor:
-    signs = state.signs.get(buffer.numel(), buffer.device, buffer.dtype)
-    return (buffer * signs).sum(dtype=torch.float64)
+    """The bucket's sketch alone (float64 scalar on its device), by the fused kernel."""
+    return bucket_check(buffer, state.signs.words)[0]
 
 
 # No `from __future__ import annotations` in this module: DDP inspects the hook's signature and
@@ -88,9 +106,12 @@ def _sketch(state: HookState, buffer: torch.Tensor) -> torch.Tensor:
 def guard_comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
     buffer = bucket.buffer()
     if state.active:
-        state.local_sketches.append(_sketch(state, buffer))
-        state.local_l1.append(torch.linalg.vector_norm(buffer, 1, dtype=torch.float64))
+        check = bucket_check(buffer, state.signs.words)  # [sketch, L1, nonfinite], one read
+        state.local_sketches.append(check[0])
+        state.local_l1.append(check[1])
         state.largest_bucket = max(state.largest_bucket, buffer.numel())
+        state.buckets += 1
+        state.elements += buffer.numel()
         if state.fingerprint_local or state.sketch_local:
             for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 index = state.param_index[id(param)]
@@ -99,12 +120,17 @@ def guard_comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Futur
                     if state.sketch_local
                     else state.fingerprinter.tensor(grad)
                 )
+    pre_divide = buffer.dtype in PRE_DIVIDED
+    if pre_divide:
+        buffer.div_(state.world_size)
     work = dist.all_reduce(buffer, group=state.group, async_op=True)
     assert work is not None
     index = bucket.index()
 
     def average(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-        reduced = fut.value()[0].div_(state.world_size)
+        reduced = fut.value()[0]
+        if not pre_divide:
+            reduced.div_(state.world_size)
         if state.active:
             if state.corrupt_reduced is not None:
                 state.corrupt_reduced(reduced, index)
