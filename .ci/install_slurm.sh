@@ -7,7 +7,10 @@
 # harmless: there is no systemd, LocalCluster starts its own private daemons.
 set -euo pipefail
 
-PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
+# debootstrap builds the Slurm 24.11 root (.ci/install_slurm_chroot.sh). It is installed here,
+# in the foreground, because .ci/run builds that root in the background while other steps may
+# use apt: two apt runs at once fail on dpkg's lock.
+PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server debootstrap)
 
 missing=()
 for pkg in "${PACKAGES[@]}"; do
