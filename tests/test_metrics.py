@@ -13,8 +13,9 @@ pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families
 from test_controller_unit import ALLOC, FakeSlurm, engine, make_alarm, write_alarm
 
+from slurm_guard.controller.engine import Engine
 from slurm_guard.controller.metrics import render, update_metrics, write_metrics
-from slurm_guard.controller.policy import Policy
+from slurm_guard.controller.policy import Policy, PolicyError
 from slurm_guard.controller.state import StateStore
 from slurm_guard.controller.watch import scan_once
 from slurm_guard.evidence import CaseResult, Diagnosis, record_diagnosis
@@ -50,13 +51,15 @@ def diagnosis(node: str, passed: bool) -> Diagnosis:
     return Diagnosis(node, "h", {"kind": "cpu"}, "k", (case,), (), (), 1.0, 2.0)
 
 
-def scenario(tmp_path: Path) -> tuple[FakeSlurm, StateStore, Policy]:
+def scenario(
+    tmp_path: Path, metrics_file: str | None = None
+) -> tuple[FakeSlurm, StateStore, Policy]:
     """Four jobs through the watcher: an sdc drain, an sdc stopped by the circuit breaker and
     then approved, a numerical alarm, an ambiguous hold; one unreadable alarm file; a node
     returned by an admin; two diagnoses."""
     slurm = FakeSlurm(nodes=5)
     store = StateStore(tmp_path / "state")
-    policy = Policy(max_drains=1, window_s=3600)
+    policy = Policy(max_drains=1, window_s=3600, metrics_file=metrics_file)
     runs = tmp_path / "runs"
     jobs = {
         "101": make_alarm("101", "a-sdc", nodes=("node2",)),
@@ -73,22 +76,16 @@ def scenario(tmp_path: Path) -> tuple[FakeSlurm, StateStore, Policy]:
         eng.process_job(job_id, runs / f"run{job_id}")
     assert scan_once(eng, runs) == []  # nothing left undecided
     eng.approve("a-breaker", "replay evidence is clear", "admin")
-    eng.return_node("node2", "dcgmi diag passed", "admin")
     record_diagnosis(store.root, diagnosis("node2", True))
     record_diagnosis(store.root, diagnosis("node3", False))
+    eng.return_node("node2", "dcgmi diag passed", "admin")
     return slurm, store, policy
 
 
 def test_metrics_match_the_controller_state_after_a_scenario(tmp_path: Path) -> None:
-    slurm, store, policy = scenario(tmp_path)
+    """The controller itself writes the file (policy.json's metrics_file) after every pass."""
     path = tmp_path / "textfile" / "slurm_guard.prom"
-    assert update_metrics(
-        path,
-        store,
-        max_drains=policy.max_drains,
-        window_s=policy.window_s,
-        list_nodes=slurm.nodes,
-    )
+    slurm, store, _policy = scenario(tmp_path, str(path))
     values = samples(path.read_text())
 
     # alarms by verdict, check and decision: exactly the four the controller decided
@@ -167,3 +164,22 @@ def test_an_unwritable_path_is_reported_not_raised(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "state")
     assert not update_metrics(blocker / "m.prom", store, max_drains=3, window_s=60)
     assert not update_metrics(None, store, max_drains=3, window_s=60)
+
+
+def test_a_relative_metrics_file_is_in_the_state_dir_and_a_dry_run_writes_none(
+    tmp_path: Path,
+) -> None:
+    slurm = FakeSlurm()
+    store = StateStore(tmp_path / "state")
+    store.ensure()
+    run = tmp_path / "runs" / "r1"
+    write_alarm(run, make_alarm("100"))
+    slurm.add_job("100", ALLOC, user_id=os.getuid())
+    policy = Policy(metrics_file="metrics/slurm_guard.prom")
+    scan_once(Engine(slurm, store, policy, dry_run=True), run.parent)
+    assert not (store.root / "metrics").exists()
+    scan_once(engine(slurm, store, policy), run.parent)
+    values = samples((store.root / "metrics" / "slurm_guard.prom").read_text())
+    assert values[("slurm_guard_drains_total", (("trigger", "auto"),))] == 1
+    with pytest.raises(PolicyError, match=r"\.prom"):
+        Policy(metrics_file="/var/lib/node_exporter/slurm_guard.txt")

@@ -23,6 +23,7 @@ from pathlib import Path
 from slurm_guard.controller import admin
 from slurm_guard.controller.actions import MAX_REASON_LEN, Narrate, execute_plan, make_plan
 from slurm_guard.controller.intake import read_alarm_files
+from slurm_guard.controller.metrics import publish
 from slurm_guard.controller.policy import Decision, JobFacts, Outcome, Policy, decide, drain_reason
 from slurm_guard.controller.report import EngineError, JobReport, RetryLater, summarize
 from slurm_guard.controller.state import (
@@ -133,6 +134,7 @@ class Engine:
             self.pend(report, run_dir, f"slurmctld unreachable: {exc}")
         except RetryLater as exc:
             self.pend(report, run_dir, str(exc))
+        self.publish_metrics()
         return report
 
     def retry_pending(self, lock_timeout_s: float | None = None) -> list[JobReport]:
@@ -162,15 +164,28 @@ class Engine:
 
     def approve(self, alarm_id: str, reason: str, admin_name: str) -> JobReport:
         """Carry out an alarm that waits for approval (see admin.approve)."""
-        return admin.approve(self, alarm_id, reason, admin_name)
+        try:
+            return admin.approve(self, alarm_id, reason, admin_name)
+        finally:
+            self.publish_metrics()
 
     def return_node(self, node: str, reason: str, admin_name: str) -> str:
         """Resume a node slurm-guard drained (see admin.return_node)."""
-        return admin.return_node(self, node, reason, admin_name)
+        try:
+            return admin.return_node(self, node, reason, admin_name)
+        finally:
+            self.publish_metrics()
 
     def retire_node(self, node: str, reason: str, admin_name: str) -> str:
         """Set a node slurm-guard drained to FAIL for good (see admin.retire_node)."""
-        return admin.retire_node(self, node, reason, admin_name)
+        try:
+            return admin.retire_node(self, node, reason, admin_name)
+        finally:
+            self.publish_metrics()
+
+    def publish_metrics(self) -> bool:
+        """Rewrite the Prometheus textfile policy.json names, if any (never raises)."""
+        return publish(self.store, self.policy, self.client, dry_run=self.dry_run)
 
     # ---------------------------------------------------------------- decisions
 

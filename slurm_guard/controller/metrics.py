@@ -308,6 +308,9 @@ def update_metrics(
     except MetricsError as exc:
         logger.error("%s", exc)
         return False
+    except Exception:  # a view must never fail the pass that drained a node
+        logger.exception("metrics: cannot write %s", path)
+        return False
     return True
 
 

@@ -62,6 +62,7 @@ def scan_once(engine: Engine, runs_root: Path) -> list[JobReport]:
     pending = set(engine.store.pending()) | {p.job_id for p in journal.unfinished_plans()}
     if pending - seen:
         reports += [r for r in engine.retry_pending() if r.job_id not in seen]
+    engine.publish_metrics()  # also after a quiet pass: the last-pass time shows we are alive
     return reports
 
 
