@@ -46,7 +46,7 @@ Narrate = Callable[[str], list[str]]
 def _drain(client: SlurmClient, action: Action) -> ActionResult:
     node, reason = action.target, action.args[0]
     info = client.node(node)
-    if foreign_reason(info.reason):
+    if foreign_reason(info.effective_reason):  # 24.11 keeps a resumed node's old reason
         return ActionResult(
             SKIPPED, f"left untouched: node has a reason not set by slurm-guard ({info.reason!r})"
         )

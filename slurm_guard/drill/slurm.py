@@ -46,7 +46,7 @@ class SlurmDrillOptions:
 
 
 def usable_node(node: Any) -> bool:
-    return not (node.drained or node.failed or node.down) and node.responding and not node.reason
+    return not node.out_of_service and node.responding  # 24.11 keeps resumed nodes' reasons
 
 
 def _submit(opts: SlurmDrillOptions, settings: Any, run_dir: Path, client: Any) -> str:

@@ -253,8 +253,9 @@ class CommandSlurmClient:
             ) from exc
         except FileNotFoundError as exc:
             raise SlurmCommandError(
-                f"{argv[0]} not found on PATH: install the Slurm client tools "
-                "(.ci/install_slurm.sh) or pass PATH in env",
+                f"{argv[0]} not found on PATH: install the Slurm client commands of the "
+                "cluster's Slurm version (Debian/Ubuntu: slurm-client; RHEL: slurm) or add "
+                "their directory to PATH",
                 argv,
                 None,
                 str(exc),
