@@ -84,7 +84,17 @@ def test_drill_via_submitit_with_the_epilog_as_controller(
         f"SLURM_GUARD={shlex.quote(str(entry))}\nSLURM_GUARD_STATE_DIR={shlex.quote(str(state))}\n"
         f"SLURM_GUARD_LOG={shlex.quote(str(tmp_path / 'epilog.log'))}\n"
     )
-    cluster.write_epilog(["env", f"SLURM_GUARD_DEFAULTS={defaults}", "bash", str(EPILOG_SCRIPT)])
+    # PYTHONPATH: the epilog runs this tree's slurm_guard, whatever the environment installed.
+    repo = EPILOG_SCRIPT.parent.parent
+    cluster.write_epilog(
+        [
+            "env",
+            f"PYTHONPATH={repo}",
+            f"SLURM_GUARD_DEFAULTS={defaults}",
+            "bash",
+            str(EPILOG_SCRIPT),
+        ]
+    )
     out = drill(work, state, "--via", "submitit", "--controller", "epilog")
     assert "controller (epilog) drains exactly node2" in out
     check_history(work, state)

@@ -1,4 +1,7 @@
-"""What every drill shares: stages that print PASS/FAIL, checks, polling, the work dir."""
+"""What every drill shares: stages that print PASS/FAIL, checks, polling, the work dir.
+
+`poll` is also the project's public polling helper (`slurm_guard.drill.poll`).
+"""
 
 from __future__ import annotations
 
@@ -92,16 +95,31 @@ def check(condition: bool, message: str) -> None:
         raise StageFailed(message)
 
 
-def poll(predicate: Callable[[], T | None], timeout: float, what: str, interval: float = 0.2) -> T:
-    """Call `predicate` until it returns something truthy; TimeoutError names `what`."""
+def poll(
+    predicate: Callable[[], T | None],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    max_interval: float = 0.5,
+) -> T:
+    """Call `predicate` until it returns something truthy, and return that value.
+
+    The project's one polling helper (the drill, and tests that wait for Slurm or for files).
+    Polling starts fast (Slurm reacts in tens of milliseconds) and backs off to `max_interval`
+    so a slow machine is not hammered. On timeout, TimeoutError names `what` and the last value
+    seen, which usually says where things got stuck. Exceptions from `predicate` propagate: a
+    broken query is an error, not a reason to keep waiting.
+    """
     deadline = time.monotonic() + timeout
+    last: T | None = None
     while True:
-        value = predicate()
-        if value:
-            return value
+        last = predicate()
+        if last:
+            return last
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"waited {timeout:.0f} s for {what}")
-        time.sleep(interval)
+            raise TimeoutError(f"waited {timeout:g} s for {what}; last: {last!r}")
+        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+        interval = min(interval * 1.5, max_interval)
 
 
 def make_work_dir(work_dir: Path | None, prefix: str) -> Path:
