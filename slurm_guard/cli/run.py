@@ -99,7 +99,7 @@ def drill_cmd(
     A persistent fault on one node: the guard must stop the job, the controller drain exactly
     that node, the job come back without it, resume from the checkpoint before the fault and
     end with weights bit-identical to a clean run. --local runs it on local processes without
-    Slurm (about a minute on two cores).
+    Slurm (25 s on two idle cores, up to two minutes when other work shares them).
 
     The Slurm drill drains a real node (returned to service at the end unless
     --keep-drained) and needs nodes+1 free nodes and a --work-dir on shared storage.
@@ -108,8 +108,7 @@ def drill_cmd(
 
         \b
         slurm-guard drill --local
-
-        slurm-guard drill --nodes 3 --via sbatch --work-dir /shared/drills
+        slurm-guard drill --nodes 3 --via sbatch --work-dir /shared/drills --sbatch partition=debug
     """
     from slurm_guard.drill import DrillError, SlurmDrillOptions, run_local_drill, run_slurm_drill
 
@@ -217,7 +216,6 @@ def submit_cmd(
         \b
         slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --gpus-per-node 8 \\
             -- python train.py --epochs 3
-
         slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --dry-run
     """
     from slurm_guard.slurm.launch import (
