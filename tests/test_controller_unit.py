@@ -685,3 +685,23 @@ def test_epilog_counts_every_failed_end(exit_code2: str, failed: bool) -> None:
     from slurm_guard.controller.intake import job_failed
 
     assert job_failed(exit_code2) is failed
+
+
+def test_dry_run_says_in_words_what_it_would_change(
+    slurm: FakeSlurm, store: StateStore, run_dir: Path
+) -> None:
+    slurm.nodes_state["node3"] = {"states": {"IDLE", "DRAIN"}, "reason": "bad DIMM (ops)"}
+    write_alarm(run_dir, make_alarm(nodes=("node2", "node3")))
+    report = Engine(slurm, store, Policy(), dry_run=True).process_job("100", run_dir)
+    reason = report.actions[0].split(": ", 1)[1]
+    assert report.actions == [
+        f"would drain node2: {reason}",
+        "drain node3: skipped (left untouched: node has a reason not set by slurm-guard "
+        "('bad DIMM (ops)'))",
+        "would requeue job 100 and hold it",
+        "would exclude node2, node3 from job 100",
+        "would release job 100",
+        "would let job 100 start at now+2",
+    ]
+    assert reason.startswith(f"{REASON_PREFIX} job 100 step 340")
+    assert slurm.calls == [] and store.read().entries == []
