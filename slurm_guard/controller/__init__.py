@@ -1,8 +1,8 @@
 """The controller: turns a finished job's alarms into drains and requeues, safely and once.
 
 Modules: `policy` decides (pure), `intake` reads untrusted run-dir files, `state` keeps the
-journal and the lock, `engine` is the decision loop, `actions` the only code that changes the
-cluster (one handler per operation), `admin` the admin's approve/return/retire, `report` what
+journal and the lock, `engine` is the decision loop, `actions` (one handler per operation) and
+`admin` (approve/return/retire) the only code that changes the cluster, `report` what
 callers get back, `watch` the long-running scanner, `views` what `status` and `review` print.
 
 Code outside the controller (the drill, scripts) uses `open_engine` / `handle_job` and the
