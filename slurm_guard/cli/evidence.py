@@ -58,6 +58,57 @@ def _print_diagnosis(d: Diagnosis, recorded: Path | None) -> None:
         click.echo(f"  recorded as evidence for {d.node}: {recorded}")
 
 
+def _day(ts: Any) -> str:
+    import time
+
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.gmtime(float(ts)))
+    except (TypeError, ValueError, OverflowError):
+        return "?"
+
+
+def _printable(text: Any) -> str:
+    """Node and alarm fields come from files users wrote: no control characters on a terminal."""
+    return "".join(c if c.isprintable() else "?" for c in str(text))
+
+
+def print_node_evidence(n: dict[str, Any]) -> None:
+    """`review`'s lines for one node: alarms over time, the latest diagnosis, return blockers."""
+    node = _printable(n.get("node"))
+    history = n.get("history") or []
+    confirmed = sum(1 for a in history if a.get("confirmed"))
+    if history:
+        click.echo(
+            f"  {node}: {len(history)} alarm(s) since {_day(history[0].get('time'))} UTC, "
+            f"{confirmed} confirmed ({n.get('confirmed_recent', 0)} in the retire window)"
+        )
+    for a in history:
+        triage = a.get("triage")
+        extra = f" triage: {json.dumps(triage, sort_keys=True)[:120]}" if triage else ""
+        approved = " (approved)" if a.get("approved") else ""
+        click.echo(
+            "    "
+            + _printable(
+                f"{_day(a.get('time'))} job {a.get('job_id')} step {a.get('step')} "
+                f"{a.get('check')}/{a.get('verdict')} -> {a.get('outcome')}{approved}{extra}"
+            )
+        )
+    d = n.get("diagnosis")
+    if d is None:
+        click.echo(f"  {node}: never diagnosed (run `slurm-guard diagnose` on it)")
+    else:
+        verdict = "passed" if d.get("passed") else "FAILED"
+        first = f": {d['failures'][0]}" if d.get("failures") else ""
+        click.echo(
+            _printable(
+                f"  {node}: latest diagnosis {_day(d.get('finished'))} UTC {verdict} "
+                f"({d.get('device')}, golden {d.get('golden')}){first}"
+            )[:400]
+        )
+    for why in n.get("return_blockers") or []:
+        click.echo(_printable(f"  {node}: `review return` refuses it: {why}")[:400])
+
+
 def _writable_state_dir(state_dir: Path) -> Path:
     import os
 
