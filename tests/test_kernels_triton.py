@@ -138,3 +138,13 @@ def test_cuda_dispatch_uses_triton_and_matches_cpu() -> None:
     assert as_int(fp.tensor(t.cuda())) == as_int(fp.tensor(t))
     assert sk.backend(torch.device("cuda")) == "triton"
     assert _bits(sk.bucket_check(t.cuda(), WORDS)) == _bits(sk.bucket_check(t, WORDS))
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_triton_bucket_check_huge_bucket_path_is_bit_identical(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past _FINISH_MAX chunks the partials are finished by torch ops: the same bits."""
+    monkeypatch.setattr(tk, "_FINISH_MAX", 2)
+    x = torch.randn(5 * 4096 + 3, generator=torch.Generator().manual_seed(8))
+    assert _bits(tk.triton_check(x.to(device), WORDS)) == _bits(sk.reference_check(x, WORDS))

@@ -1,12 +1,13 @@
 """Triton versions of the guard's kernels, for CUDA tensors (and CPU tensors under the
 interpreter, TRITON_INTERPRET=1, which is how CI tests them without a GPU).
 
-- `nh_fingerprint`: the NH first level of `fingerprint_fast` (integer arithmetic, so its output,
+- `nh_blocks`: the NH first level of `fingerprint_fast` (integer arithmetic, so its output,
   after the same torch-op tree, is bit-identical to the C kernel and the torch specification).
 - `triton_check`: the fused sketch / L1 / finite pass of `kernels.sketch`, one program per chunk,
   the chunk summed in registers by the definition's halving tree; the per-chunk partials go to
-  a buffer and the same fixed-order tree (torch ops, elementwise) finishes them. No atomics, so
-  every run and every rank gets the same bits, and they equal the C kernel's and the spec's.
+  a buffer and one more program (torch elementwise ops for huge buckets) finishes them by the
+  same fixed-order tree. No atomics, so every run and every rank gets the same bits, and they
+  equal the C kernel's and the spec's.
 
 Triton is optional (`pip install slurm-guard[gpu]`; CUDA builds of torch bring it): importing
 this module without it works, `available()` says False and the callers use the torch versions.
@@ -29,6 +30,7 @@ except ImportError:  # the optional `gpu` extra is not installed
     tl = None
 
 _NH_BLOCKS_PER_PROGRAM = 4
+_FINISH_MAX = 1 << 13  # chunk partials one program trees in registers (a 32M-element bucket)
 
 
 def interpreting() -> bool:
@@ -133,7 +135,23 @@ def _kernels() -> dict[str, Any]:
                 out_ptr + rows * 2 + lane, total.to(tl.int64, bitcast=True), mask=rows < nblocks
             )
 
-    _compiled.update(check=check_kernel, nh=nh_kernel)
+    @triton.jit  # type: ignore[untyped-decorator]
+    def finish_kernel(  # type: ignore[no-untyped-def]
+        ps_ptr, pa_ptr, chunks, out_ptr, PADDED: tl.constexpr, LOG2_PADDED: tl.constexpr
+    ):
+        i = tl.arange(0, PADDED)
+        s = tl.load(ps_ptr + i, mask=i < chunks, other=0.0)  # +0.0 padding, as defined
+        a = tl.load(pa_ptr + i, mask=i < chunks, other=0.0)
+        for level in tl.static_range(LOG2_PADDED):
+            s = tl.sum(tl.reshape(s, (2, PADDED >> (level + 1))), axis=0)
+            a = tl.sum(tl.reshape(a, (2, PADDED >> (level + 1))), axis=0)
+        total_s = tl.sum(tl.reshape(s, (1,)), axis=0)
+        total_a = tl.sum(tl.reshape(a, (1,)), axis=0)
+        tl.store(out_ptr, total_s)
+        tl.store(out_ptr + 1, total_a)
+        tl.store(out_ptr + 2, tl.where(total_a <= 1.7976931348623157e308, 0.0, 1.0))
+
+    _compiled.update(check=check_kernel, nh=nh_kernel, finish=finish_kernel)
     return _compiled
 
 
@@ -144,7 +162,9 @@ def triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
         x = x.contiguous()
     n = x.numel()
     chunks, padded = _sketch.padded_chunks(n)
-    partials = torch.zeros(2, padded, dtype=torch.float64, device=x.device)
+    fused_finish = padded <= _FINISH_MAX
+    alloc = torch.empty if fused_finish else torch.zeros
+    partials = alloc(2, padded, dtype=torch.float64, device=x.device)
     span = _sketch.CHUNK // 8
     _kernels()["check"][(chunks,)](
         x,
@@ -158,6 +178,17 @@ def triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
         SPAN=span,
         LOG2_SPAN=span.bit_length() - 1,
     )
+    if fused_finish:  # one more launch instead of ~log2(chunks) elementwise torch ops
+        out = torch.empty(3, dtype=torch.float64, device=x.device)
+        _kernels()["finish"][(1,)](
+            partials[0],
+            partials[1],
+            chunks,
+            out,
+            PADDED=padded,
+            LOG2_PADDED=padded.bit_length() - 1,
+        )
+        return out
     totals = _sketch.tree_sum(partials)
     return torch.cat([totals, (~torch.isfinite(totals[1:2])).double()])
 
