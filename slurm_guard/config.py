@@ -51,6 +51,20 @@ class GuardConfig:
         on_numerical: what a reproducible NaN/Inf (a bad sample or an unstable model, not the
             hardware) does: "stop" raises SilentDataCorruption with verdict "numerical" (the
             controller drains nothing), "skip" skips that update and goes on.
+        watchdog_seconds: how long a guard round (the start of each step, a verification's
+            verdicts, save_checkpoint, resume) waits for every rank before it raises
+            `RanksMissing` on the ranks that are there, naming the missing ones. Must exceed the
+            longest legitimate gap between two ranks reaching a step (data loading skew, a slow
+            checkpoint write). 0 turns the check off: a missing rank is then only caught by the
+            backend's own timeout (init_process_group(timeout=...), NCCL's watchdog).
+        abft: check every GEMM of every nn.Linear, HuggingFace Conv1D and attention projection
+            on every step, forward and backward, with block checksums (`slurm_guard.abft`): a
+            wrong value there is caught on the step it happens, on the rank that computed it,
+            even on steps that are not replayed. Off by default (see docs/coverage.md for cost).
+        abft_margin: the checks' threshold, lambda in lambda * sqrt(sum of squared rounding
+            terms); a clean GEMM exceeds it with probability <= 2 exp(-lambda^2 / 2).
+        abft_block: rows per checksum block. Smaller blocks detect smaller errors and cost a
+            larger checksum GEMM (1/abft_block of the one checked).
     """
 
     replay_every: int = 10
@@ -66,8 +80,13 @@ class GuardConfig:
     tolerance_margin: float = 8.0
     initial_tolerance: float = 1e-3
     trust_replays: int = 2
+    watchdog_seconds: float = 300.0
+    abft: bool = False
+    abft_margin: float = 10.0
+    abft_block: int = 32
 
     def __post_init__(self) -> None:
+        self._check_types()
         for name in ("replay_every", "vote_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1_000_000:
@@ -102,7 +121,66 @@ class GuardConfig:
             raise ConfigError(
                 f"GuardConfig.schedule={self.schedule!r}: must be 'fixed' or 'random'"
             )
+        if not 0 <= self.watchdog_seconds <= 86_400:
+            raise ConfigError(
+                f"GuardConfig.watchdog_seconds={self.watchdog_seconds!r}: must be from 0 (off) "
+                "to 86400; the default 300 suits most jobs"
+            )
+        if not (1.0 <= self.abft_margin <= 1000.0 and 1 <= self.abft_block <= 4096):
+            raise ConfigError(
+                f"GuardConfig: abft_margin={self.abft_margin!r} must be from 1 to 1000 (the "
+                f"default 10 means a false alarm needs a 10-sigma rounding error) and "
+                f"abft_block={self.abft_block!r} from 1 to 4096 rows (default 32)"
+            )
         object.__setattr__(self, "faults", tuple(self.faults))
+
+    def _check_types(self) -> None:
+        """Reject values of the wrong type before they are used as truth values or numbers.
+
+        `deterministic="false"` would otherwise be truthy (exact comparison on GPU: false
+        alarms, drains) and `trust_replays=1.5` would pass the range check.
+        """
+        for name in ("finite_check", "settle_buckets", "deterministic", "abft"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ConfigError(
+                    f"GuardConfig.{name}={value!r}: must be True or False (a bool, not "
+                    f"{type(value).__name__})"
+                )
+        for name in ("calibration_replays", "trust_replays", "abft_block"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(
+                    f"GuardConfig.{name}={value!r}: must be an integer, not {type(value).__name__}"
+                )
+        for name in ("tolerance_margin", "initial_tolerance", "watchdog_seconds", "abft_margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(
+                    f"GuardConfig.{name}={value!r}: must be a number, not {type(value).__name__}"
+                )
+        for name in ("on_numerical", "schedule"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ConfigError(
+                    f"GuardConfig.{name}={value!r}: must be a string, not {type(value).__name__}"
+                )
+        faults = self.faults
+        if isinstance(faults, (str, bytes)) or not isinstance(faults, (tuple, list)):
+            raise ConfigError(
+                f"GuardConfig.faults={faults!r}: must be a tuple of Fault objects, e.g. "
+                "(Fault('nan', rank=1, step=5),); for a 'kind=nan,...' string use "
+                "slurm_guard.faults.parse_faults or SLURM_GUARD_INJECT"
+            )
+        if not faults:
+            return
+        from slurm_guard.faults import Fault  # imports torch: only when faults are given
+
+        for fault in faults:
+            if not isinstance(fault, Fault):
+                raise ConfigError(
+                    f"GuardConfig.faults contains {fault!r}: every entry must be a Fault"
+                )
 
     def is_replay_step(self, step: int, seed: int = 0) -> bool:
         if self.schedule == "fixed":
@@ -126,5 +204,9 @@ class GuardConfig:
             "schedule": self.schedule,
             "deterministic": self.deterministic,
             "trust_replays": self.trust_replays,
+            "watchdog_seconds": self.watchdog_seconds,
+            "abft": self.abft,
+            "abft_margin": self.abft_margin,
+            "abft_block": self.abft_block,
             "faults": [f.describe() for f in self.faults],
         }

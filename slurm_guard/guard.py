@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import logging
 import os
 import secrets
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -24,31 +27,51 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slurm_guard import checkpoint as ckpt
+from slurm_guard.collective import Collective, RankFailed
 from slurm_guard.config import GuardConfig
 from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
-from slurm_guard.faults import FaultInjector, faults_from_env
+from slurm_guard.faults import Fault, FaultInjector, faults_from_env
 from slurm_guard.fingerprint import Fingerprinter, as_hex, as_int
 from slurm_guard.fingerprint_fast import FastFingerprinter, backend
 from slurm_guard.hooks import HookState, SignVectors, guard_comm_hook
-from slurm_guard.protocol import RUN_SCHEMA
+from slurm_guard.protocol import RUN_SCHEMA, Check, Verdict
 from slurm_guard.records import (
     Alarm,
     LedgerEntry,
     RecordError,
     append_ledger,
     atomic_write_json,
+    make_alarm_id,
     read_json_file,
 )
-from slurm_guard.recovery import ResumePoint, choose_resume_point, finish_rollback
+from slurm_guard.recovery import ResumePlan, finish_rollback, plan_resume
 from slurm_guard.replay import (
+    Captured,
     LossFn,
     Microbatches,
+    ReplayOutput,
     capture,
     combined_loss,
     is_replaying,
     preserved_state,
+    recompute,
 )
-from slurm_guard.rundir import RunDir, newest_clean, trust_limit
+from slurm_guard.rundir import (
+    RunDir,
+    RunLock,
+    check_unchanged,
+    establish_identity,
+    fresh_start_requested,
+    identity_stamp,
+    markers_problem,
+    markers_seen,
+    newest_clean,
+    parse_checkpoint_meta,
+    prepare_markers,
+    trust_limit,
+    write_marker,
+)
+from slurm_guard.setup_checks import announce_faults, check_same_setup, warn_small_world
 from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.verdicts import Finding
 from slurm_guard.verification import Verifier
@@ -117,7 +140,6 @@ class Guard:
             raise GuardError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
         self.config = config if config is not None else GuardConfig()
         self.run_dir = RunDir(run_dir)
-        check_run_dir(self.run_dir.root)
         self.ddp = model
         self.module: nn.Module = model.module
         self.optimizer = optimizer
@@ -126,33 +148,31 @@ class Guard:
         self.group: dist.ProcessGroup | None = model.process_group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        backend = str(dist.get_backend(self.group))
-        self.comm_device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if backend == "nccl"
-            else torch.device("cpu")
-        )
+        me = local_rank_info(self.rank)
+        # Every collective of the guard goes through self.comm (device, agreement, watchdog).
+        self.comm = Collective(self.group, me.node, self.config.watchdog_seconds)
+        self.comm_device = self.comm.device
         self.job_id = os.environ.get("SLURM_JOB_ID")
         self.restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.comm.arrive("Guard() set-up")
+        check_same_setup(self.comm, self.config, self.params)
         if not self.params:
             raise GuardError("the model has no trainable parameters: there is nothing to guard")
-
-        if self.rank == 0:
-            self.run_dir.ensure()
-        me = local_rank_info(self.rank)
-        self.topology = Topology.build(gather_rank_infos(me, self.group, self.comm_device))
+        self.comm.agree(lambda: check_run_dir(self.run_dir.root), "run directory check")
+        self.topology = Topology.build(gather_rank_infos(me, comm=self.comm))
+        warn_small_world(self.topology, self.rank)
+        self._open_run_dir()
         # NH first level (native kernel where a C compiler is found, the same values in torch
         # ops elsewhere), then the multilinear tree of fingerprint.py.
         self.fingerprinter: Fingerprinter = FastFingerprinter(self._agree_on_seed())
-        problem: GuardError | None = None
-        try:
-            faults = self.config.faults + faults_from_env()
-        except GuardError as exc:
-            problem, faults = exc, ()
+        faults: tuple[Fault, ...] = self.comm.agree(
+            lambda: self.config.faults + faults_from_env(),
+            "fault injection settings (GuardConfig.faults, SLURM_GUARD_INJECT)",
+        )
+        self.faults = faults
         self.injector = FaultInjector(faults, self.rank, me.node, self.module)
-        if not self._all_ok(problem is None):
-            raise problem or GuardError("another rank rejected the fault injection settings")
+        announce_faults(faults, self.topology, self.rank, len(faults) - len(self.config.faults))
         self.hook = HookState(
             group=self.group,
             world_size=self.world_size,
@@ -164,7 +184,17 @@ class Guard:
             ),
         )
         model.register_comm_hook(self.hook, guard_comm_hook)
-        self.verifier = Verifier(self)
+        self.verifier = Verifier(
+            comm=self.comm,
+            topology=self.topology,
+            fingerprinter=self.fingerprinter,
+            hook=self.hook,
+            replay=self._replay,
+            config=self.config,
+            ledger=self._ledger,
+            params=self.params,
+            scaler_active=scaler is not None,
+        )
         self._buffer_fingerprint: torch.Tensor | None = None
         self._snapshot_due = False
         if (
@@ -177,27 +207,25 @@ class Guard:
         self.verified_steps: list[int] = []  # passing replays since the resumed checkpoint
         self._settled = not self.config.settle_buckets
         self._voted_at = -1  # step_count right after the last clean vote
+        unwritten = None
         if self.rank == 0:
-            self._write_run_file()
-        self._barrier()
+            try:
+                self._write_run_file()
+            except OSError as exc:
+                unwritten = f"cannot write {self.run_dir.run_file} ({exc.strerror})"
+        self._share(unwritten, "run.json")
 
     # ---------------------------------------------------------------- set-up helpers
 
-    def _barrier(self) -> None:
-        dist.barrier(group=self.group)
+    def _barrier(self, what: str = "barrier") -> None:
+        self.comm.barrier(what)
 
     def _broadcast_ints(self, values: list[int]) -> list[int]:
-        t = torch.tensor(values, dtype=torch.int64, device=self.comm_device)
-        dist.broadcast(
-            t, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
-        )
-        return [int(v) for v in t.tolist()]
+        return self.comm.broadcast_ints(values)
 
     def _all_ok(self, ok: bool) -> bool:
         """Every rank learns whether every rank succeeded: failures never leave a rank waiting."""
-        t = torch.tensor([0 if ok else 1], dtype=torch.int64, device=self.comm_device)
-        dist.all_reduce(t, group=self.group)
-        return int(t.item()) == 0
+        return self.comm.all_ok(ok)
 
     def _agree_on_seed(self) -> int:
         """The fingerprint seed: per run (not per job start), so checkpoints stay verifiable."""
@@ -208,11 +236,78 @@ class Guard:
                 seed = int(read_json_file(self.run_dir.run_file)["seed"])
         return self._broadcast_ints([seed])[0]
 
+    def _share(self, problem: str | None, what: str) -> None:
+        """Every rank raises the same error if `problem` is set on any rank (all must call)."""
+
+        def check() -> None:
+            if problem is not None:
+                raise GuardError(problem)
+
+        self.comm.agree(check, what)
+
+    def _open_run_dir(self) -> None:
+        """Make sure the run directory is this run's, one directory for all ranks, one job's.
+
+        Rank 0 takes the lock (a second job on the directory is refused) and checks the run's
+        identity; then every rank leaves a marker and must see every other rank's, which
+        catches a node-local directory at start, not at the first resume.
+        """
+        self.attempt = f"{self._broadcast_ints([secrets.randbits(48)])[0]:012x}"
+        self._lock: RunLock | None = None
+        problem = None
+        if self.rank == 0:
+            try:
+                self._lock = RunLock.acquire(
+                    self.run_dir,
+                    job_id=self.job_id,
+                    restart_count=self.restart_count,
+                    attempt=self.attempt,
+                )
+                self.run_dir.ensure()
+                establish_identity(self.run_dir, job_id=self.job_id, fresh=fresh_start_requested())
+                for name in self.run_dir.remove_stale_staging():
+                    logger.info("removed %s, left by a save that did not finish", name)
+                prepare_markers(self.run_dir, self.attempt)
+            except (GuardError, RecordError, OSError) as exc:
+                problem = str(exc)
+        self._share(problem, "run directory lock and identity")
+        self.run_id = ""
+        try:
+            identity = read_json_file(self.run_dir.identity_file)
+            self.run_id = str(identity["run_id"])
+            problem = write_marker(self.run_dir, self.attempt, self.rank, self.run_id)
+        except (RecordError, KeyError, TypeError) as exc:
+            problem = f"cannot read the run directory's identity ({exc})"
+        if problem is not None:
+            problem += (
+                f"; {self.run_dir.root} must be one directory on a filesystem that every node "
+                "mounts at the same path"
+            )
+        self._share(problem, "run directory markers")
+        seen = markers_seen(self.run_dir, self.attempt, self.world_size)
+        digest = int.from_bytes(hashlib.sha256(self.run_id.encode()).digest()[:7], "big")
+        rows = self.comm.all_gather_rows([seen, digest])
+        seen_by = [int(r[0]) for r in rows]
+        nodes = [self.topology.node_of(r) for r in range(self.world_size)]
+        problem = markers_problem(seen_by, nodes, self.run_dir.root)
+        if problem is None and len({int(r[1]) for r in rows}) > 1:
+            problem = (
+                f"the ranks read different identity.json files under {self.run_dir.root}: the "
+                "path names different directories on different nodes"
+            )
+        if problem is not None:
+            raise GuardError(problem)
+        if self.rank == 0:
+            shutil.rmtree(self.run_dir.markers_dir / self.attempt, ignore_errors=True)
+        self._stamp = identity_stamp(self.run_dir)
+
     def _write_run_file(self) -> None:
         atomic_write_json(
             self.run_dir.run_file,
             {
                 "schema": RUN_SCHEMA,
+                "run_id": self.run_id,
+                "attempt": self.attempt,
                 "seed": self.fingerprinter.seed,
                 "fingerprint": {"scheme": "nh1", "rank0_backend": backend()},
                 "job_id": self.job_id,
@@ -221,6 +316,8 @@ class Guard:
                 "ranks": [r.__dict__ for r in self.topology.ranks],
                 "replayer": list(self.topology.replayer),
                 "config": self.config.summary(),
+                # every fault this run injects, from GuardConfig.faults and SLURM_GUARD_INJECT
+                "injected_faults": [f.describe() for f in self.faults],
                 "started": time.time(),
             },
         )
@@ -262,6 +359,9 @@ class Guard:
                 of this step is not applied (a vote alarm judges an update already applied).
         """
         step = self.step_count
+        # Every rank must be here, at this step, before the first collective of the step (the
+        # DDP all-reduce in backward): a rank stuck elsewhere is named instead of waited for.
+        self.comm.arrive(f"step {step}")
         if not self._settled:
             self._settle_buckets(batch)
         self.injector.step = step
@@ -281,10 +381,13 @@ class Guard:
                 self._scaled(loss).backward()  # type: ignore[no-untyped-call]
             losses.append(loss.detach())
         step_loss = combined_loss(losses)
-        finding, skipped = self.verifier.check_step(step, step_loss, captured, verify)
-        if finding is not None:
-            self._alarm(finding, step, update_applied=False)
-        if not skipped:
+        result = self.verifier.check_step(step, step_loss, captured, verify)
+        if result.verified:
+            self.last_verified_step = step
+            self.verified_steps.append(step)
+        if result.finding is not None:
+            self._alarm(result.finding, step, update_applied=False)
+        if not result.skip_update:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)  # skips the update itself on an overflow
                 self.scaler.update()
@@ -295,6 +398,22 @@ class Guard:
                 self._vote(step)
         self.step_count = step + 1
         return float(sum(float(x) for x in losses) / len(losses))
+
+    def _replay(self, captured: Captured) -> ReplayOutput:
+        """Recompute another rank's step here (faults that hit this rank's replays apply)."""
+        with self.injector.replay():
+            scale = self.scaler.scale if self.scaler is not None else None
+            return recompute(self.module, self.loss_fn, captured, self.params, scale)
+
+    def _ledger(self, step: int, check: Check, passed: bool, detail: dict[str, object]) -> None:
+        if self.rank != 0:
+            return
+        try:
+            append_ledger(
+                self.run_dir.ledger, LedgerEntry(step, check, passed, detail, self.restart_count)
+            )
+        except OSError:
+            logger.exception("could not append to the ledger")
 
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return self.scaler.scale(loss) if self.scaler is not None else loss
@@ -331,7 +450,7 @@ class Guard:
 
     def _vote(self, step: int) -> None:
         """Weight-fingerprint vote on the state after `step`'s update."""
-        finding = self.verifier.vote(step)
+        finding = self.verifier.vote(step, self.vote_fingerprint())
         if finding is not None:
             self._alarm(finding, step, update_applied=True)
         self._voted_at = step + 1
@@ -341,12 +460,20 @@ class Guard:
         step = self.step_count
         if step == 0:
             raise GuardError("save_checkpoint() before the first step: nothing to save yet")
+        self.comm.arrive(f"save_checkpoint() after {step} steps")
         if self._voted_at != step:
             self._vote(step - 1)
         # What a restart can recompute from the saved files alone (buffers as saved).
         fingerprint = as_hex(self.fingerprinter.tensors(self.state_tensors()))
-        stage = ckpt.staging_dir(self.run_dir, step, self.restart_count)
-        ok = True
+        # Never into a run directory that vanished or was replaced since the start (it would
+        # be silently recreated), nor after another job took the lock over.
+        problem = check_unchanged(self.run_dir, self._stamp, self.run_id)
+        if problem is None and self._lock is not None and not self._lock.held():
+            problem = f"another job took over the lock {self.run_dir.lock_file}"
+        if problem is not None:
+            problem = f"checkpoint at step {step} not saved: {problem}"
+        self._share(problem, "run directory check before the save")
+        stage = ckpt.staging_dir(self.run_dir, step, self.restart_count, self.attempt)
         try:
             ckpt.write_rank_files(
                 stage,
@@ -354,11 +481,15 @@ class Guard:
                 self.module.state_dict() if self.rank == 0 else None,
                 self.optimizer.state_dict() if self.rank == 0 else None,
             )
-        except OSError:
+        except Exception as exc:  # any failure must reach every rank, not hang them
             logger.exception("rank %d could not write its checkpoint files", self.rank)
-            ok = False
-        if not self._all_ok(ok):
-            raise GuardError(f"checkpoint at step {step} failed on some rank; see its log")
+            problem = f"checkpoint at step {step}: could not write its files ({exc})"
+        try:
+            self._share(problem, "checkpoint files")
+        except GuardError:
+            if self.rank == 0:
+                ckpt.discard(stage)
+            raise
         path = self.run_dir.checkpoint_path(step)
         if self.rank == 0:
             try:
@@ -370,12 +501,13 @@ class Guard:
                     fingerprint_seed=self.fingerprinter.seed,
                     world_size=self.world_size,
                     restart_count=self.restart_count,
+                    run_id=self.run_id,
                 )
-            except OSError:
+            except Exception as exc:
                 logger.exception("could not publish checkpoint %s", path)
-                ok = False
-        if not self._all_ok(ok):
-            raise GuardError(f"checkpoint at step {step} could not be published; see rank 0's log")
+                problem = f"checkpoint at step {step} could not be published ({exc})"
+                ckpt.discard(stage)
+        self._share(problem, "checkpoint publish")
         return path
 
     # ---------------------------------------------------------------- alarms and recovery
@@ -383,38 +515,93 @@ class Guard:
     def _alarm(self, finding: Finding, step: int, *, update_applied: bool) -> None:
         """Rank 0 writes the alarm; then every rank raises the very same record."""
         alarm = self._make_alarm(finding, step, update_applied)
-        ok = True
+        ok, suffix = True, 0
         if self.rank == 0:
-            try:
-                path = self.run_dir.write_alarm(alarm)
-                append_ledger(
-                    self.run_dir.ledger,
-                    LedgerEntry(
-                        step, finding.check, False, {"alarm": alarm.alarm_id}, self.restart_count
-                    ),
-                )
-                logger.error("alarm %s written to %s: %s", alarm.alarm_id, path, alarm.message)
-            except OSError:
-                logger.exception("could not write alarm %s", alarm.alarm_id)
-                ok = False
-        written, created_us = self._broadcast_ints([int(ok), round(alarm.created * 1e6)])
+            ok, suffix = self._record_alarm(alarm)
+        written, created_us, suffix = self._broadcast_ints(
+            [int(ok), round(alarm.created * 1e6), suffix]
+        )
+        alarm_id = alarm.alarm_id if suffix == 0 else f"{alarm.alarm_id}-{suffix}"
         if not written:
-            logger.error("alarm %s could not be recorded on the run directory", alarm.alarm_id)
-        raise SilentDataCorruption(dataclasses.replace(alarm, created=created_us / 1e6))
+            logger.error("alarm %s could not be recorded on the run directory", alarm_id)
+        raise SilentDataCorruption(
+            dataclasses.replace(alarm, alarm_id=alarm_id, created=created_us / 1e6)
+        )
+
+    def _record_alarm(self, alarm: Alarm) -> tuple[bool, int]:
+        """Rank 0: write the alarm, retrying; if that fails, mark the run directory.
+
+        Returns (written, suffix): an id that exists already (it cannot, short of a repeated
+        attempt id) gets a numeric suffix instead of being dropped. When the alarm cannot be
+        written at all, an empty `lost-alarm.<id>.upto-<S>` file makes every later resume
+        trust no checkpoint after step S.
+        """
+        suffix, written = 0, False
+        for attempt in range(4):
+            record = (
+                alarm
+                if suffix == 0
+                else dataclasses.replace(alarm, alarm_id=f"{alarm.alarm_id}-{suffix}")
+            )
+            try:
+                path = self.run_dir.write_alarm(record)
+            except FileExistsError:
+                suffix += 1
+                continue
+            except OSError as exc:
+                logger.warning("writing alarm %s failed (%s); retrying", record.alarm_id, exc)
+                time.sleep(0.2 * 2**attempt)
+                continue
+            logger.error("alarm %s written to %s: %s", record.alarm_id, path, alarm.message)
+            written = True
+            break
+        alarm_id = alarm.alarm_id if suffix == 0 else f"{alarm.alarm_id}-{suffix}"
+        if not written:
+            limit = trust_limit(
+                self.last_verified_step, self.verified_steps, self.config.trust_replays
+            )
+            try:
+                mark = self.run_dir.mark_lost_alarm(alarm_id, limit)
+                logger.error(
+                    "could not write alarm %s (%s); marked %s: no checkpoint after step %s "
+                    "will be trusted",
+                    alarm_id,
+                    alarm.message,
+                    mark,
+                    limit,
+                )
+            except OSError:
+                logger.exception(
+                    "could not write alarm %s nor mark the run directory: do not resume "
+                    "this run from a checkpoint after step %s",
+                    alarm_id,
+                    limit,
+                )
+        try:
+            append_ledger(
+                self.run_dir.ledger,
+                LedgerEntry(
+                    alarm.step, alarm.check, False, {"alarm": alarm_id}, self.restart_count
+                ),
+            )
+        except OSError:
+            logger.exception("could not append alarm %s to the ledger", alarm_id)
+        return written, suffix
 
     def _make_alarm(self, finding: Finding, step: int, update_applied: bool) -> Alarm:
         suspects = finding.suspect_ranks
         nodes = sorted({self.topology.node_of(r) for r in suspects})
         hosts = sorted({self.topology.ranks[r].hostname for r in suspects})
         trusted = self._trusted_for(self.last_verified_step)
-        verdict = finding.verdict
-        job = self.job_id or "local"
+        verdict = Verdict(finding.verdict).value  # records hold plain strings
         return Alarm(
-            alarm_id=f"job{job}-r{self.restart_count}-step{step}-{finding.check}",
+            alarm_id=make_alarm_id(
+                self.job_id, self.restart_count, self.attempt, step, finding.check
+            ),
             job_id=self.job_id,
             restart_count=self.restart_count,
             step=step,
-            check=finding.check,
+            check=Check(finding.check).value,
             verdict=verdict,
             suspect_ranks=tuple(suspects),
             suspect_nodes=tuple(nodes),
@@ -426,6 +613,9 @@ class Guard:
             message=f"step {step}: {finding.check} check: {verdict}: {finding.message}",
             world_size=self.world_size,
             created=round(time.time() * 1e6) / 1e6,
+            # an injected fault was active by this step: the alarm may be the drill's, not the
+            # hardware's (the controller and status show it)
+            injected=any(f.step <= step for f in self.faults),
         )
 
     def _trusted_for(self, last_verified: int | None) -> str | None:
@@ -439,32 +629,74 @@ class Guard:
         After an alarm, the trusted checkpoint is the newest clean one that `trust_replays`
         passing replays followed before the alarm; newer checkpoints are moved to
         quarantine/<alarm_id>/ and the alarm is marked handled, so a later restart does not roll
-        back again.
+        back again. A checkpoint that fails to load on any rank (hash, fingerprint, unreadable
+        file) is skipped for the next older one. Raises GuardError on every rank when what the
+        rule needs cannot be read, or when every allowed checkpoint is damaged; the message
+        names the override (`SLURM_GUARD_RESUME=fresh`).
         """
-        point = ResumePoint(-1, -1)
+        self.comm.arrive("resume()")
+        plan: ResumePlan | None = None
+        problem = None
         if self.rank == 0:
-            point = choose_resume_point(self.run_dir, self.config.trust_replays)
+            try:
+                plan = plan_resume(
+                    self.run_dir, self.config.trust_replays, fresh=fresh_start_requested()
+                )
+            except (GuardError, OSError) as exc:
+                problem = str(exc)
+        self._share(problem, "resume: reading the run directory")
+        chosen = -1
+        while True:
+            step = -1
+            if plan is not None:
+                meta = plan.next_candidate()
+                step = -1 if meta is None else meta.step
+            (step,) = self._broadcast_ints([step])
+            if step < 0:
+                break
+            try:
+                self.comm.agree(
+                    functools.partial(self._load, step), f"resume: load step-{step:08d}"
+                )
+            except RankFailed as exc:  # damaged on some rank: every rank tries the next one
+                if plan is not None:
+                    plan.reject(step, f"rank {exc.rank} ({exc.node}): {exc.cause}")
+                continue
+            chosen = step
+            break
+        problem = None
+        if plan is not None and chosen < 0:
+            error = plan.nothing_usable()
+            problem = None if error is None else str(error)
+        self._share(problem, "resume")
+        point = plan.point(chosen) if plan is not None else None
         # Only the newest `trust_replays` passes can ever bound a later rollback.
         k = self.config.trust_replays
-        recent = (point.verified_steps[-k:] + [-1] * k)[:k]
-        chosen, last_verified, *passes = self._broadcast_ints(
-            [point.step, point.last_verified_step, *recent]
+        recent = ((point.verified_steps[-k:] if point else []) + [-1] * k)[:k]
+        last_verified, *passes = self._broadcast_ints(
+            [point.last_verified_step if point else -1, *recent]
         )
         self.verified_steps = sorted(s for s in passes if s >= 0)
         if chosen < 0:
             self.step_count = 0
             self.last_verified_step = None
         else:
-            self._load(chosen)
             self.step_count = chosen
             self.last_verified_step = last_verified if last_verified >= 0 else None
-        if self.rank == 0:
-            finish_rollback(self.run_dir, point, self.restart_count)
-        self._barrier()
+            self._voted_at = chosen
+        problem = None
+        if point is not None:
+            try:
+                finish_rollback(self.run_dir, point, self.restart_count, self.attempt)
+            except (GuardError, OSError) as exc:
+                problem = f"could not record the rollback ({exc})"
+        self._share(problem, "resume: recording the rollback")
         return self.step_count
 
     def _load(self, step: int) -> None:
-        meta = next(m for m in self.run_dir.checkpoints() if m.step == step)
+        """Load checkpoint `step` on this rank; raise if it is unusable here (no collectives)."""
+        meta_path = self.run_dir.checkpoint_path(step) / "meta.json"
+        meta = parse_checkpoint_meta(read_json_file(meta_path), str(meta_path))
         state = ckpt.load(self.run_dir, meta, self.rank)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
@@ -481,12 +713,11 @@ class Guard:
             else (FastFingerprinter(seed))
         )
         fingerprint = as_hex(checker.tensors(self.state_tensors()))
-        if not self._all_ok(fingerprint == meta.weight_fingerprint):
+        if fingerprint != meta.weight_fingerprint:
             raise GuardError(
-                f"checkpoint step-{step} loads but does not reproduce its weight fingerprint "
-                f"on every rank; move {self.run_dir.checkpoint_path(step)} aside and resume again"
+                f"the loaded state does not reproduce the recorded weight fingerprint "
+                f"({fingerprint} != {meta.weight_fingerprint})"
             )
-        self._voted_at = step
 
 
 @contextlib.contextmanager

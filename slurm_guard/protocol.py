@@ -8,6 +8,7 @@ controller imports this on every job end and must not pay for torch.
 
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 
 EXIT_SDC = 86
@@ -31,3 +32,34 @@ LEDGER_SCHEMA = 1
 CHECKPOINT_SCHEMA = 1
 RUN_SCHEMA = 1
 """Record schema versions. A reader refuses a record newer than it understands."""
+
+
+class Verdict(str, Enum):
+    """What a failed check means; the values are the strings alarm records carry."""
+
+    SDC = "sdc"  # hardware: a strict majority or a replay names the faulty rank or node
+    AMBIGUOUS = "ambiguous"  # something is wrong, but nothing can say where (or no replay ran)
+    NUMERICAL = "numerical"  # reproduced on another node: the data or the model, not hardware
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class Check(str, Enum):
+    """The checks that can raise an alarm; the values are the strings alarm records carry."""
+
+    FINITE_LOCAL = "finite_local"
+    FINITE_REDUCED = "finite_reduced"
+    REPLAY = "replay"
+    VOTE = "vote"
+    CONSERVATION = "conservation"
+    REDUCED_CONSISTENCY = "reduced_consistency"
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)

@@ -15,13 +15,16 @@ import contextlib
 import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from slurm_guard.errors import GuardError
+
+if TYPE_CHECKING:
+    from slurm_guard.collective import Collective
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
@@ -146,36 +149,33 @@ def exchange(
     pairs: Sequence[tuple[int, int]],
     mine: Captured | None,
     rank: int,
-    group: dist.ProcessGroup | None,
-    comm_device: torch.device,
+    comm: Collective,
 ) -> dict[int, Captured]:
     """Send my captured step to every rank that replays me; receive from every owner I replay.
 
     `pairs` are (owner, replayer), identical on all ranks. Two rounds of batched point-to-point
-    operations: sizes first, then the buffers. Returns {owner: captured} for my replays.
+    operations on the backend's device: sizes first, then the buffers. Returns {owner: captured}
+    for my replays.
     """
+    device, group = comm.device, comm.group
     sends = [rep for own, rep in pairs if own == rank and rep != rank]
     recvs = [own for own, rep in pairs if rep == rank and own != rank]
-    payload = pack(mine).to(comm_device) if sends and mine is not None else None
-
-    def run(ops: list[dist.P2POp]) -> None:
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-
-    size = torch.tensor([payload.numel() if payload is not None else 0], device=comm_device)
-    sizes = {own: torch.zeros(1, dtype=torch.int64, device=comm_device) for own in recvs}
+    payload = pack(mine).to(device) if sends and mine is not None else None
+    size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
+    sizes = {own: torch.zeros(1, dtype=torch.int64, device=device) for own in recvs}
     ops = [dist.P2POp(dist.isend, size, dst, group) for dst in sends]
     ops += [dist.P2POp(dist.irecv, sizes[src], src, group) for src in recvs]
-    run(ops)
+    comm.p2p(ops, "replay exchange: sizes")
+    # one host read of all the sizes this rank receives
+    counts = torch.cat([sizes[own] for own in recvs]).tolist() if recvs else []
     buffers = {
-        own: torch.empty(int(sizes[own].item()), dtype=torch.uint8, device=comm_device)
-        for own in recvs
+        own: torch.empty(int(n), dtype=torch.uint8, device=device)
+        for own, n in zip(recvs, counts, strict=True)
     }
     ops = [dist.P2POp(dist.isend, payload, dst, group) for dst in sends if payload is not None]
     ops += [dist.P2POp(dist.irecv, buffers[src], src, group) for src in recvs]
-    run(ops)
-    model_device = comm_device if comm_device.type == "cuda" else torch.device("cpu")
+    comm.p2p(ops, "replay exchange: batches")
+    model_device = device if device.type == "cuda" else torch.device("cpu")
     received = {own: unpack(buf, model_device) for own, buf in buffers.items()}
     if mine is not None and any(own == rank and rep == rank for own, rep in pairs):
         received[rank] = mine

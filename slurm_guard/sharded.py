@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from slurm_guard.collective import Collective
 from slurm_guard.fingerprint import Fingerprinter, as_int
+from slurm_guard.topology import local_rank_info
 from slurm_guard.verdicts import Finding, judge_vote
 
 
@@ -44,22 +46,22 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torc
     return out
 
 
-def _gather_in(group: dist.ProcessGroup, values: list[int]) -> list[list[int]]:
-    mine = torch.tensor(values, dtype=torch.int64)
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    return [[int(v) for v in t.tolist()] for t in out]
-
-
 def replica_vote(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     replicate_group: dist.ProcessGroup,
     fingerprinter: Fingerprinter,
+    comm: Collective | None = None,
 ) -> Finding | None:
-    """Vote on this shard across the replica groups; suspects are returned as global ranks."""
+    """Vote on this shard across the replica groups; suspects are returned as global ranks.
+
+    The fingerprints travel on the replicate group's backend device (CUDA under NCCL). Pass a
+    `Collective` over `replicate_group` to reuse one across steps.
+    """
     fingerprint = as_int(fingerprinter.tensors(local_state(model, optimizer)))
-    rows = _gather_in(replicate_group, [fingerprint])
+    if comm is None:
+        comm = Collective(replicate_group, local_rank_info(dist.get_rank()).node)
+    rows = comm.all_gather_rows([fingerprint])
     finding = judge_vote([r[0] for r in rows], what="parameter/optimizer shards")
     if finding is None:
         return None
@@ -74,9 +76,13 @@ def replica_vote(
 
 
 def local_grads_finite(model: nn.Module) -> bool:
-    """One float64 reduction over this rank's gradient shards (see hooks.py for why)."""
-    total = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is not None:
-            total = total + _local(p.grad).sum(dtype=torch.float64)
-    return bool(torch.isfinite(total).item())
+    """One float64 reduction over this rank's gradient shards (see hooks.py for why).
+
+    The sum stays on the gradients' device; the one host read is the answer.
+    """
+    partial = [
+        _local(p.grad).sum(dtype=torch.float64) for p in model.parameters() if p.grad is not None
+    ]
+    if not partial:
+        return True
+    return bool(torch.isfinite(torch.stack(partial).sum()).item())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from slurm_guard.collective import Collective
 from slurm_guard.records import RankInfo
 
 _NAME_BYTES = 256
@@ -28,28 +29,36 @@ def local_rank_info(rank: int) -> RankInfo:
     )
 
 
-def _encode(text: str) -> torch.Tensor:
-    data = text.encode()[:_NAME_BYTES]
-    out = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-    out[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
-    return out
+def _encode(text: str) -> list[int]:
+    """A name as int64 words (8 UTF-8 bytes each, zero-padded): it travels in an int row."""
+    data = text.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
+    return [
+        int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, _NAME_BYTES, 8)
+    ]
 
 
-def _decode(t: torch.Tensor) -> str:
-    return bytes(b for b in t.tolist() if b).decode(errors="replace")
+def _decode(words: list[int]) -> str:
+    data = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+    return data.rstrip(b"\0").decode(errors="replace")
 
 
 def gather_rank_infos(
-    me: RankInfo, group: dist.ProcessGroup | None, device: torch.device
+    me: RankInfo,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | None = None,
+    comm: Collective | None = None,
 ) -> list[RankInfo]:
-    """All ranks' node names through one tensor all-gather (no pickling, no numpy)."""
-    world = dist.get_world_size(group)
-    mine = torch.stack([_encode(me.node), _encode(me.hostname)]).to(device)
-    out = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
+    """All ranks' node and host names through one all-gather of int rows (no pickling, no numpy).
+
+    `device` is accepted for old callers and ignored: the group's backend decides the device.
+    """
+    del device
+    comm = comm if comm is not None else Collective(group, me.node)
+    words = _NAME_BYTES // 8
+    rows = comm.all_gather_rows(_encode(me.node) + _encode(me.hostname))
     return [
-        RankInfo(rank=r, node=_decode(t[0].cpu()), hostname=_decode(t[1].cpu()))
-        for r, t in enumerate(out)
+        RankInfo(rank=r, node=_decode(row[:words]), hostname=_decode(row[words:]))
+        for r, row in enumerate(rows)
     ]
 
 

@@ -12,6 +12,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from slurm_guard.protocol import Check, Verdict
 from slurm_guard.topology import Topology
 
 
@@ -19,8 +20,8 @@ from slurm_guard.topology import Topology
 class Finding:
     """A failed check: what failed, what it means, and whom it points at."""
 
-    check: str
-    verdict: str  # "sdc" | "ambiguous" | "numerical"
+    check: Check
+    verdict: Verdict
     suspect_ranks: tuple[int, ...]
     message: str
     evidence: dict[str, Any] = field(default_factory=dict)
@@ -90,8 +91,8 @@ def judge_replays(results: list[ReplayResult], topology: Topology) -> ReplayJudg
             return ReplayJudgement(None, settle=only)
         return ReplayJudgement(
             Finding(
-                "replay",
-                "ambiguous",
+                Check.REPLAY,
+                Verdict.AMBIGUOUS,
                 tuple(sorted({only.owner, only.replayer})),
                 f"replay of rank {only.owner}'s microbatch by rank {only.replayer} disagrees and "
                 "no rank on a third node can settle it",
@@ -103,8 +104,8 @@ def judge_replays(results: list[ReplayResult], topology: Topology) -> ReplayJudg
         rank = common.pop()
         return ReplayJudgement(
             Finding(
-                "replay",
-                "sdc",
+                Check.REPLAY,
+                Verdict.SDC,
                 (rank,),
                 f"rank {rank} ({topology.node_of(rank)}) disagrees in all {len(failed)} failed "
                 "replay comparisons",
@@ -120,8 +121,8 @@ def judge_replays(results: list[ReplayResult], topology: Topology) -> ReplayJudg
         suspects = tuple(r for r in involved if topology.node_of(r) == node)
         return ReplayJudgement(
             Finding(
-                "replay",
-                "sdc",
+                Check.REPLAY,
+                Verdict.SDC,
                 suspects,
                 f"node {node} takes part in all {len(failed)} failed replay comparisons",
                 evidence,
@@ -129,8 +130,8 @@ def judge_replays(results: list[ReplayResult], topology: Topology) -> ReplayJudg
         )
     return ReplayJudgement(
         Finding(
-            "replay",
-            "ambiguous",
+            Check.REPLAY,
+            Verdict.AMBIGUOUS,
             tuple(involved),
             f"{len(failed)} replay comparisons failed with no common rank or node "
             "(several faults, or too few nodes to attribute)",
@@ -152,8 +153,8 @@ def settle_with_third(
         suspect = disputed.replayer if agrees else disputed.owner
         other = disputed.owner if agrees else disputed.replayer
         return Finding(
-            "replay",
-            "sdc",
+            Check.REPLAY,
+            Verdict.SDC,
             (suspect,),
             f"rank {suspect} disagrees with ranks {other} and {third} on rank "
             f"{disputed.owner}'s microbatch (beyond the calibrated tolerance)",
@@ -173,16 +174,16 @@ def settle_with_third(
         suspect, other = disputed.owner, disputed.replayer
     else:
         return Finding(
-            "replay",
-            "ambiguous",
+            Check.REPLAY,
+            Verdict.AMBIGUOUS,
             tuple(sorted({disputed.owner, disputed.replayer, third})),
             f"ranks {disputed.owner}, {disputed.replayer} and {third} computed three different "
             f"results for rank {disputed.owner}'s microbatch",
             evidence,
         )
     return Finding(
-        "replay",
-        "sdc",
+        Check.REPLAY,
+        Verdict.SDC,
         (suspect,),
         f"rank {suspect} disagrees with ranks {other} and {third} on rank {disputed.owner}'s "
         "microbatch",
@@ -190,25 +191,43 @@ def settle_with_third(
     )
 
 
-def judge_nonfinite(flagged: list[int], reproduced: dict[int, bool], check: str) -> Finding:
+def judge_nonfinite(
+    flagged: list[int],
+    reproduced: dict[int, bool],
+    check: Check,
+    unreplayed: Sequence[int] = (),
+) -> Finding:
     """A NaN/Inf is hardware only if another node computing the same microbatch does not get it.
 
     `reproduced[owner]` says whether the owner's replayer also got a non-finite result.
+    `unreplayed` are flagged ranks that no other rank could replay (world size 1): for them
+    nothing can tell hardware from data, so the verdict is ambiguous, never sdc.
     """
-    evidence = {"nonfinite_ranks": flagged, "reproduced_by_replay": reproduced}
-    faulty = tuple(r for r in flagged if not reproduced.get(r, False))
+    evidence: dict[str, Any] = {"nonfinite_ranks": flagged, "reproduced_by_replay": reproduced}
+    faulty = tuple(r for r in flagged if r not in unreplayed and not reproduced.get(r, False))
     if faulty:
         return Finding(
             check,
-            "sdc",
+            Verdict.SDC,
             faulty,
             f"non-finite gradients on rank(s) {list(faulty)} that a replay on another rank does "
             "not reproduce",
             evidence,
         )
+    if unreplayed:
+        evidence["not_replayed"] = list(unreplayed)
+        evidence["replay"] = "none: no other rank can recompute these ranks' microbatches"
+        return Finding(
+            check,
+            Verdict.AMBIGUOUS,
+            (),  # nothing points at a node: no drain
+            f"non-finite gradients on rank(s) {list(unreplayed)} and no replay on another rank "
+            "could run (world size 1): hardware fault or unstable data/model cannot be told apart",
+            evidence,
+        )
     return Finding(
         check,
-        "numerical",
+        Verdict.NUMERICAL,
         (),
         f"non-finite gradients on rank(s) {flagged}, reproduced by replay: the data or the model "
         "is numerically unstable, not the hardware",
@@ -228,23 +247,23 @@ def judge_reduced_nonfinite(flags: list[bool], overflow_possible: bool = False) 
         return None
     if overflow_possible and len(bad) == len(flags):
         return Finding(
-            "finite_reduced",
-            "numerical",
+            Check.FINITE_REDUCED,
+            Verdict.NUMERICAL,
             (),
             "the averaged gradients overflowed; the local gradients are large enough for that",
             {"nonfinite_ranks": bad},
         )
     if 2 * len(bad) < len(flags):
         return Finding(
-            "finite_reduced",
-            "sdc",
+            Check.FINITE_REDUCED,
+            Verdict.SDC,
             tuple(bad),
             f"averaged gradients non-finite only on rank(s) {bad}: their copy was corrupted",
             {"nonfinite_ranks": bad},
         )
     return Finding(
-        "finite_reduced",
-        "ambiguous",
+        Check.FINITE_REDUCED,
+        Verdict.AMBIGUOUS,
         tuple(bad),
         "finite local gradients averaged to non-finite values: the fault is inside the all-reduce",
         {"nonfinite_ranks": bad},
@@ -268,16 +287,16 @@ def judge_vote(fingerprints: list[int], what: str = "weights") -> Finding | None
     if odd is not None:
         count = len(fingerprints) - len(odd)
         return Finding(
-            "vote",
-            "sdc",
+            Check.VOTE,
+            Verdict.SDC,
             odd,
             f"{what} of rank(s) {list(odd)} differ from the majority of {count} of "
             f"{len(fingerprints)} replicas",
             evidence,
         )
     return Finding(
-        "vote",
-        "ambiguous",
+        Check.VOTE,
+        Verdict.AMBIGUOUS,
         tuple(range(len(fingerprints))),
         f"{what} differ across replicas with no strict majority",
         evidence,
@@ -320,15 +339,15 @@ def judge_reduction(
         evidence = {"reduced_sketch_bits": [f"{b & (2**64 - 1):016x}" for b in reduced_sketch_bits]}
         if odd is not None:
             return Finding(
-                "reduced_consistency",
-                "sdc",
+                Check.REDUCED_CONSISTENCY,
+                Verdict.SDC,
                 odd,
                 f"averaged gradients on rank(s) {list(odd)} differ from the other replicas' copy",
                 evidence,
             )
         return Finding(
-            "reduced_consistency",
-            "ambiguous",
+            Check.REDUCED_CONSISTENCY,
+            Verdict.AMBIGUOUS,
             tuple(range(world)),
             "averaged gradients differ across ranks with no strict majority",
             evidence,
@@ -339,8 +358,8 @@ def judge_reduction(
     if drift <= bound:
         return None
     return Finding(
-        "conservation",
-        "ambiguous",
+        Check.CONSERVATION,
+        Verdict.AMBIGUOUS,
         (),
         f"the all-reduce did not conserve the gradient sketch: mean of local sketches "
         f"{expected!r}, averaged sketch {actual!r}, drift {drift:.3e} > rounding bound {bound:.3e}",

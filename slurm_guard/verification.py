@@ -1,23 +1,30 @@
 """The collective side of the checks: replay rounds, the per-step verdict gather, the vote.
 
-Every function here is entered by every rank in the same order. Each round ends in one small
+Every method here is entered by every rank in the same order. Each round ends in one small
 all-gather of fixed-size rows (a few int64 per rank), from which every rank computes the same
 verdict with the pure functions of `verdicts.py`.
+
+The Verifier is built from explicit parts (the collective, the topology, the fingerprinter, the
+hook's state, a replay function, the config and a ledger writer) and returns what it found: the
+Guard decides what to do with the result, so the two modules do not import each other.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from slurm_guard.fingerprint import as_int
-from slurm_guard.hooks import param_sketch
-from slurm_guard.records import LedgerEntry, append_ledger
-from slurm_guard.replay import Captured, exchange, recompute
+from slurm_guard.collective import Collective, RankFailed
+from slurm_guard.config import GuardConfig
+from slurm_guard.fingerprint import Fingerprinter, as_int
+from slurm_guard.hooks import HookState, param_sketch
+from slurm_guard.protocol import Check, Verdict
+from slurm_guard.replay import Captured, ReplayOutput, exchange
+from slurm_guard.topology import Topology
 from slurm_guard.verdicts import (
     Finding,
     ReplayResult,
@@ -30,9 +37,6 @@ from slurm_guard.verdicts import (
     judge_vote,
     settle_with_third,
 )
-
-if TYPE_CHECKING:
-    from slurm_guard.guard import Guard
 
 logger = logging.getLogger(__name__)
 
@@ -50,13 +54,25 @@ logger = logging.getLogger(__name__)
     LOCAL_L1,
     REDUCED_SKETCH,
     REDUCED_GRAD,
-) = range(12)
-ROW = 12
+    REPLAY_FAILED,
+) = range(13)
+ROW = 13
+
+ReplayFn = Callable[[Captured], ReplayOutput]
+"""Recompute a captured step on this rank (the Guard binds module, loss_fn, scaler, faults)."""
+
+LedgerFn = Callable[[int, Check, bool, dict[str, object]], None]
+"""Record one verification result (the Guard writes on rank 0 only)."""
 
 
 def loss_bits(loss: torch.Tensor) -> int:
     """The exact bit pattern of a scalar, widened to float64 (exact for every float type)."""
-    return int(loss.detach().double().reshape(1).view(torch.int64).item())
+    return int(_bits(loss).item())
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """A scalar's float64 bit pattern as a one-element int64 tensor, on the scalar's device."""
+    return x.detach().double().reshape(1).view(torch.int64)
 
 
 TOLERANCE_FLOOR = 4 * torch.finfo(torch.float32).eps
@@ -89,233 +105,323 @@ def _total(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.stack(values).sum()
 
 
-class Verifier:
-    """Runs the checks for one Guard; holds no state of its own beyond a reference to it."""
+@dataclass(frozen=True)
+class StepResult:
+    """What the checks of one step decided.
 
-    def __init__(self, guard: Guard) -> None:
-        self.g = guard
+    Attributes:
+        finding: the failed check, or None.
+        skip_update: the optimizer step must not run (a finding, or a skipped numerical step).
+        verified: a ring replay of this step passed on every rank; the step is now the newest
+            verified one.
+    """
+
+    finding: Finding | None
+    skip_update: bool
+    verified: bool = False
+
+
+@dataclass(frozen=True)
+class _Replayed:
+    loss: int = 0
+    grad: int = 0
+    nonfinite: bool = False
+    failed: bool = False
+
+
+class Verifier:
+    """Runs the collective checks of a guarded DDP job.
+
+    Args:
+        comm: the guard's collectives (every round of the checks goes through it).
+        topology: who replays whom.
+        fingerprinter: the run's fingerprints (exact mode) and combination of them.
+        hook: the comm hook's per-step values (sketches, L1 norms, local fingerprints).
+        replay: recomputes a captured step on this rank.
+        config: what to check.
+        ledger: records each verification result.
+        params: the guarded parameters, in the hook's order.
+        scaler_active: a GradScaler steps the optimizer (its overflows are expected).
+    """
+
+    def __init__(
+        self,
+        *,
+        comm: Collective,
+        topology: Topology,
+        fingerprinter: Fingerprinter,
+        hook: HookState,
+        replay: ReplayFn,
+        config: GuardConfig,
+        ledger: LedgerFn,
+        params: Sequence[torch.nn.Parameter],
+        scaler_active: bool = False,
+    ) -> None:
+        self.comm = comm
+        self.topology = topology
+        self.fingerprinter = fingerprinter
+        self.hook = hook
+        self.replay_fn = replay
+        self.config = config
+        self.ledger = ledger
+        self.params = list(params)
+        self.scaler_active = scaler_active
         self.calibration: list[float] = []  # worst discrepancy of each calibration step
 
-    def _gather(self, row: list[int]) -> list[list[int]]:
-        g = self.g
-        mine = torch.tensor(row, dtype=torch.int64, device=g.comm_device)
-        out = [torch.empty_like(mine) for _ in range(g.world_size)]
-        dist.all_gather(out, mine, group=g.group)
-        return [[int(v) for v in t.tolist()] for t in out]
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
 
-    def _ledger(self, step: int, check: str, passed: bool, detail: dict[str, object]) -> None:
-        if self.g.rank == 0:
-            try:
-                append_ledger(
-                    self.g.run_dir.ledger,
-                    LedgerEntry(step, check, passed, detail, self.g.restart_count),
-                )
-            except OSError:
-                logger.exception("could not append to the ledger")
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
 
-    def _replay(self, owner_capture: Captured) -> tuple[int, int, bool]:
-        """Recompute someone's microbatch here: (loss bits, gradient value, non-finite).
+    def _replay(self, captured: Captured, cause_key: str) -> _Replayed:
+        """Recompute someone's microbatch here.
 
         The gradient value is the exact fingerprint, or in tolerance mode the bit pattern of the
-        relative discrepancy from the owner's reference (and the loss slot is unused).
+        relative discrepancy from the owner's reference (and the loss slot is unused). An
+        exception (the user's loss_fn, out of memory) is not raised here: it becomes the row's
+        REPLAY_FAILED slot, so that the other ranks learn it in the same gather instead of
+        waiting for this rank in it.
         """
-        g = self.g
-        with g.injector.replay():
-            scale = g.scaler.scale if g.scaler is not None else None
-            out = recompute(g.module, g.loss_fn, owner_capture, g.params, scale)
-        if owner_capture.reference is not None:
-            mine = reference_vector(out.loss, [param_sketch(g.hook.signs, t) for t in out.grads])
-            return 0, loss_bits(discrepancy(owner_capture.reference, mine)), out.nonfinite
-        fingerprint = as_int(g.fingerprinter.combine(g.fingerprinter.tensor(t) for t in out.grads))
-        return loss_bits(out.loss), fingerprint, out.nonfinite
+        try:
+            out = self.replay_fn(captured)
+            if captured.reference is not None:
+                signs = self.hook.signs
+                mine = reference_vector(out.loss, [param_sketch(signs, t) for t in out.grads])
+                distance = loss_bits(discrepancy(captured.reference, mine))
+                return _Replayed(0, distance, out.nonfinite)
+            fp = self.fingerprinter
+            fingerprint = as_int(fp.combine(fp.tensor(t) for t in out.grads))
+            return _Replayed(loss_bits(out.loss), fingerprint, out.nonfinite)
+        except Exception as exc:
+            logger.exception("rank %d: the replay raised", self.rank)
+            self.comm.post_cause(cause_key, f"{type(exc).__name__}: {exc}")
+            return _Replayed(failed=True)
+
+    def _raise_if_replay_failed(
+        self, step: int, failed: list[tuple[int, int]], cause_key: str
+    ) -> None:
+        """[(replayer, owner)] whose replay raised: every rank raises the same RankFailed."""
+        if not failed:
+            return
+        replayer, owner = failed[0]
+        node, cause = self.comm.read_cause(cause_key, replayer)
+        raise RankFailed(
+            f"step {step}: the replay of rank {owner}'s microbatch",
+            [r for r, _ in failed],
+            node,
+            cause,
+        )
 
     def tolerance(self) -> float:
         """The calibrated bound on a clean replay's relative discrepancy (tolerance mode)."""
-        config = self.g.config
+        config = self.config
         if len(self.calibration) < config.calibration_replays:
             return config.initial_tolerance
         return max(config.tolerance_margin * max(self.calibration), TOLERANCE_FLOOR)
 
     def replay_round(
-        self, pairs: Sequence[tuple[int, int]], mine: Captured
+        self, step: int, pairs: Sequence[tuple[int, int]], mine: Captured, purpose: str
     ) -> dict[int, tuple[int, int, bool]]:
         """An extra round (NaN triage, third-rank settling): {owner: replayer's result}."""
-        g = self.g
-        received = exchange(pairs, mine, g.rank, g.group, g.comm_device)
-        row = [-1, 0, 0, 0]
+        received = exchange(pairs, mine, self.rank, self.comm)
+        key = f"replay/{step}/{purpose}"
+        row = [-1, 0, 0, 0, 0]
         for owner, replayer in pairs:
-            if replayer == g.rank:
-                loss, grad, nonfinite = self._replay(received[owner])
-                row = [owner, loss, grad, int(nonfinite)]
-        results = {}
-        for r in self._gather(row):
-            if r[0] >= 0:
-                results[r[0]] = (r[1], r[2], bool(r[3]))
-        return results
+            if replayer == self.rank:
+                r = self._replay(received[owner], key)
+                row = [owner, r.loss, r.grad, int(r.nonfinite), int(r.failed)]
+        rows = self.comm.all_gather_rows(row, f"step {step}: {purpose} replays")
+        self._raise_if_replay_failed(step, [(rk, r[0]) for rk, r in enumerate(rows) if r[4]], key)
+        return {r[0]: (r[1], r[2], bool(r[3])) for r in rows if r[0] >= 0}
 
     def check_step(
         self, step: int, loss: torch.Tensor, captured: Captured, verify: bool
-    ) -> tuple[Finding | None, bool]:
+    ) -> StepResult:
         """All checks of one step, after backward and before the update.
 
-        Returns (finding, skip_update). A numerical finding with on_numerical="skip" comes back
-        as (None, True): the update is skipped and training goes on.
+        A numerical finding with on_numerical="skip" comes back as no finding with
+        skip_update=True: the update is skipped and training goes on.
         """
-        g = self.g
-        hook = g.hook
+        hook, config = self.hook, self.config
         device = loss.device
         local_sketch = _total(hook.local_sketches, device)
         local_l1 = _total(hook.local_l1, device)
         reduced_parts = [hook.reduced_sketches[i] for i in sorted(hook.reduced_sketches)]
         reduced_sketch = _total(reduced_parts, device)
-        local_bad = not bool(torch.isfinite(local_sketch + local_l1 + loss.double()).item())
-        reduced_bad = not bool(torch.isfinite(reduced_sketch).item())
-
-        row = [0] * ROW
-        row[LOCAL_NONFINITE] = int(local_bad)
-        row[REDUCED_NONFINITE] = int(reduced_bad)
-        row[OWN_LOSS] = loss_bits(loss)
-        row[REPLAYED] = -1
-        row[LOCAL_SKETCH] = loss_bits(local_sketch)
-        row[LOCAL_L1] = loss_bits(local_l1)
-        row[REDUCED_SKETCH] = loss_bits(reduced_sketch)
+        # The row stays on the device until the gather: no host read of any value here.
+        flags = torch.stack(
+            [
+                ~torch.isfinite(local_sketch + local_l1 + loss.detach().double()),
+                ~torch.isfinite(reduced_sketch),
+            ]
+        ).to(torch.int64)
+        own_grad, reduced_grad = 0, 0
+        replayed = _Replayed()
+        owner = -1
+        key = f"replay/{step}/ring"
         if verify:
-            owner = g.topology.owner_of(g.rank)
-            pairs = [(o, g.topology.replayer[o]) for o in range(g.world_size)]
-            fp = g.fingerprinter
-            if g.config.deterministic:
-                local = [hook.local_fingerprints.get(i) for i in range(len(g.params))]
-                row[OWN_GRAD] = as_int(
+            owner = self.topology.owner_of(self.rank)
+            pairs = [(o, self.topology.replayer[o]) for o in range(self.world_size)]
+            fp = self.fingerprinter
+            if config.deterministic:
+                local = [hook.local_fingerprints.get(i) for i in range(len(self.params))]
+                own_grad = as_int(
                     fp.combine(
                         f if f is not None else fp.tensor(torch.zeros_like(p))
-                        for f, p in zip(local, g.params, strict=True)
+                        for f, p in zip(local, self.params, strict=True)
                     )
                 )
             else:
-                captured.reference = reference_vector(
-                    loss,
-                    [
-                        hook.local_fingerprints.get(i, torch.zeros(2, dtype=torch.float64))
-                        for i in range(len(g.params))
-                    ],
+                captured = dataclasses.replace(
+                    captured,
+                    reference=reference_vector(
+                        loss,
+                        [
+                            hook.local_fingerprints.get(i, torch.zeros(2, dtype=torch.float64))
+                            for i in range(len(self.params))
+                        ],
+                    ),
                 )
-            received = exchange(pairs, captured, g.rank, g.group, g.comm_device)
-            row[REDUCED_GRAD] = as_int(
+            received = exchange(pairs, captured, self.rank, self.comm)
+            reduced_grad = as_int(
                 fp.combine(
                     fp.tensor(p.grad if p.grad is not None else torch.zeros_like(p))
-                    for p in g.params
+                    for p in self.params
                 )
             )
-            replay_loss, replay_grad, replay_bad = self._replay(received[owner])
-            row[REPLAYED] = owner
-            row[REPLAY_LOSS] = replay_loss
-            row[REPLAY_GRAD] = replay_grad
-            row[REPLAY_NONFINITE] = int(replay_bad)
-        rows = self._gather(row)
+            replayed = self._replay(received[owner], key)
+        middle = [own_grad, owner, replayed.loss, replayed.grad, int(replayed.nonfinite)]
+        tail = [reduced_grad, int(replayed.failed)]
+        row = torch.cat(
+            [
+                flags,
+                _bits(loss),
+                torch.tensor(middle, dtype=torch.int64, device=device),
+                _bits(local_sketch),
+                _bits(local_l1),
+                _bits(reduced_sketch),
+                torch.tensor(tail, dtype=torch.int64, device=device),
+            ]
+        )
+        # On a verification step the replay (user code) ran since the step's own arrival check.
+        rows = self.comm.all_gather_rows(row, f"step {step}: verdicts" if verify else None)
+        if verify:
+            failed = [(r, rows[r][REPLAYED]) for r in range(self.world_size)]
+            failed = [(r, o) for r, o in failed if rows[r][REPLAY_FAILED]]
+            self._raise_if_replay_failed(step, failed, key)
 
-        if g.config.finite_check and any(r[LOCAL_NONFINITE] for r in rows):
+        if config.finite_check and any(r[LOCAL_NONFINITE] for r in rows):
             return self._triage_nonfinite(step, rows, captured, verify)
-        if g.config.finite_check:
+        if config.finite_check:
             l1_total = sum(bits_to_float(r[LOCAL_L1]) for r in rows)
             reduced = judge_reduced_nonfinite(
                 [bool(r[REDUCED_NONFINITE]) for r in rows],
-                overflow_possible=l1_total >= torch.finfo(g.params[0].dtype).max,
+                overflow_possible=l1_total >= torch.finfo(self.params[0].dtype).max,
             )
             if reduced is not None:
-                self._ledger(step, "finite_reduced", False, {"verdict": reduced.verdict})
+                self.ledger(step, Check.FINITE_REDUCED, False, {"verdict": reduced.verdict})
                 return self._numerical_outcome(step, reduced)
             reduction = self._judge_reduction(rows, verify)
             if reduction is not None:
-                return reduction, True
+                return StepResult(reduction, True)
         if not verify:
-            return None, False
-        finding = self._judge_replays(rows, captured)
-        if finding is None:
-            g.last_verified_step = step
-            g.verified_steps.append(step)
-            detail: dict[str, object] = {"comparisons": g.world_size}
-            if not g.config.deterministic:
-                worst = max(bits_to_float(r[REPLAY_GRAD]) for r in rows)
-                detail.update(max_discrepancy=worst, tolerance=self.tolerance())
-                if len(self.calibration) < g.config.calibration_replays:
-                    self.calibration.append(worst)
-            self._ledger(step, "replay", True, detail)
-        return finding, finding is not None
+            return StepResult(None, False)
+        # `captured` carries the owner's reference in tolerance mode: a settling third rank
+        # measures its distance from it, as the ring replayer did
+        finding = self._judge_replays(step, rows, captured)
+        if finding is not None:
+            return StepResult(finding, True)
+        detail: dict[str, object] = {"comparisons": self.world_size}
+        if not config.deterministic:
+            worst = max(bits_to_float(r[REPLAY_GRAD]) for r in rows)
+            detail.update(max_discrepancy=worst, tolerance=self.tolerance())
+            if len(self.calibration) < config.calibration_replays:
+                self.calibration.append(worst)
+        self.ledger(step, Check.REPLAY, True, detail)
+        return StepResult(None, False, verified=True)
 
     def _judge_reduction(self, rows: list[list[int]], verify: bool) -> Finding | None:
-        g = self.g
         l1 = [bits_to_float(r[LOCAL_L1]) for r in rows]
-        unit_roundoff = torch.finfo(g.params[0].dtype).eps / 2
+        unit_roundoff = torch.finfo(self.params[0].dtype).eps / 2
         return judge_reduction(
             [bits_to_float(r[LOCAL_SKETCH]) for r in rows],
             l1,
             [r[REDUCED_SKETCH] for r in rows],
-            conservation_bound(l1, unit_roundoff, g.hook.largest_bucket),
+            conservation_bound(l1, unit_roundoff, self.hook.largest_bucket),
             [r[REDUCED_GRAD] for r in rows] if verify else None,
         )
 
     def _triage_nonfinite(
         self, step: int, rows: list[list[int]], captured: Captured, verify: bool
-    ) -> tuple[Finding | None, bool]:
-        """Replay each rank that saw NaN/Inf on another node: reproduced means numerical."""
-        g = self.g
+    ) -> StepResult:
+        """Replay each rank that saw NaN/Inf on another rank: reproduced means numerical.
+
+        A rank with no other rank to replay it (world size 1) cannot be judged either way: its
+        finding says so instead of blaming the hardware.
+        """
+        replayer = self.topology.replayer
         flagged = [rank for rank, r in enumerate(rows) if r[LOCAL_NONFINITE]]
+        unreplayed = [o for o in flagged if replayer[o] == o]
+        replayable = [o for o in flagged if replayer[o] != o]
         if verify:  # the ring replay already recomputed every microbatch
-            reproduced = {o: bool(rows[g.topology.replayer[o]][REPLAY_NONFINITE]) for o in flagged}
+            reproduced = {o: bool(rows[replayer[o]][REPLAY_NONFINITE]) for o in replayable}
         else:
-            extra = self.replay_round([(o, g.topology.replayer[o]) for o in flagged], captured)
-            reproduced = {o: extra[o][2] for o in flagged}
-        finding = judge_nonfinite(flagged, reproduced, "finite_local")
-        self._ledger(step, "finite_local", False, {"verdict": finding.verdict})
+            pairs = [(o, replayer[o]) for o in replayable]
+            extra = self.replay_round(step, pairs, captured, "non-finite triage") if pairs else {}
+            reproduced = {o: extra[o][2] for o in replayable}
+        finding = judge_nonfinite(flagged, reproduced, Check.FINITE_LOCAL, unreplayed)
+        self.ledger(step, Check.FINITE_LOCAL, False, {"verdict": finding.verdict})
         return self._numerical_outcome(step, finding)
 
-    def _numerical_outcome(self, step: int, finding: Finding) -> tuple[Finding | None, bool]:
+    def _numerical_outcome(self, step: int, finding: Finding) -> StepResult:
         """A numerical (not hardware) finding under a GradScaler or on_numerical='skip'."""
-        g = self.g
-        if finding.verdict == "numerical" and g.scaler is not None:
+        if finding.verdict == Verdict.NUMERICAL and self.scaler_active:
             # a GradScaler overflow: expected; the scaler skips the update and lowers its scale
             logger.info("step %d: gradient overflow under the GradScaler, update skipped", step)
-            return None, False
-        if finding.verdict == "numerical" and g.config.on_numerical == "skip":
+            return StepResult(None, False)
+        if finding.verdict == Verdict.NUMERICAL and self.config.on_numerical == "skip":
             logger.warning("step %d skipped: %s", step, finding.message)
-            return None, True
-        return finding, True
+            return StepResult(None, True)
+        return StepResult(finding, True)
 
-    def _judge_replays(self, rows: list[list[int]], captured: Captured) -> Finding | None:
-        g = self.g
-        tolerant = not g.config.deterministic
+    def _judge_replays(
+        self, step: int, rows: list[list[int]], captured: Captured
+    ) -> Finding | None:
+        topology = self.topology
+        tolerant = not self.config.deterministic
         tolerance = self.tolerance() if tolerant else 0.0
         results = [
             ReplayResult(
                 owner=o,
-                replayer=g.topology.replayer[o],
+                replayer=topology.replayer[o],
                 owner_loss=rows[o][OWN_LOSS],
                 owner_grad=rows[o][OWN_GRAD],
-                replay_loss=rows[g.topology.replayer[o]][REPLAY_LOSS],
-                replay_grad=rows[g.topology.replayer[o]][REPLAY_GRAD],
+                replay_loss=rows[topology.replayer[o]][REPLAY_LOSS],
+                replay_grad=rows[topology.replayer[o]][REPLAY_GRAD],
                 discrepancy=(
-                    bits_to_float(rows[g.topology.replayer[o]][REPLAY_GRAD]) if tolerant else None
+                    bits_to_float(rows[topology.replayer[o]][REPLAY_GRAD]) if tolerant else None
                 ),
                 tolerance=tolerance,
             )
-            for o in range(g.world_size)
+            for o in range(self.world_size)
         ]
-        judgement = judge_replays(results, g.topology)
+        judgement = judge_replays(results, topology)
         if judgement.settle is None:
             return judgement.finding
         disputed = judgement.settle
-        third = g.topology.third_rank(disputed.owner, disputed.replayer)
+        third = topology.third_rank(disputed.owner, disputed.replayer)
         assert third is not None  # judge_replays asks to settle only when a third rank exists
-        extra = self.replay_round([(disputed.owner, third)], captured)
+        extra = self.replay_round(step, [(disputed.owner, third)], captured, "settling")
         third_loss, third_grad, _ = extra[disputed.owner]
         third_distance = bits_to_float(third_grad) if tolerant else None
         return settle_with_third(disputed, third, third_loss, third_grad, third_distance)
 
-    def vote(self, step: int) -> Finding | None:
-        """Fingerprint this replica's whole state and compare it with every other replica's."""
-        g = self.g
-        fingerprint = g.vote_fingerprint()
-        rows = self._gather([fingerprint])
+    def vote(self, step: int, fingerprint: int) -> Finding | None:
+        """Compare this replica's state fingerprint with every other replica's."""
+        rows = self.comm.all_gather_rows([fingerprint])
         finding = judge_vote([r[0] for r in rows])
-        self._ledger(step, "vote", finding is None, {"fingerprint": f"{fingerprint:016x}"})
+        self.ledger(step, Check.VOTE, finding is None, {"fingerprint": f"{fingerprint:016x}"})
         return finding

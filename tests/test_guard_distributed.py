@@ -212,3 +212,27 @@ def test_loss_that_is_not_a_scalar_is_refused_before_any_update(tmp_path: Path) 
 def test_every_fault_kind_has_a_detection_test() -> None:
     assert set(BACKWARD_KINDS) < set(MATRIX_KINDS)
     assert set(KINDS) == {*MATRIX_KINDS, "allreduce", "replay-noise"}
+
+
+def test_collectives_use_the_backend_device_and_one_host_read_per_step(tmp_path: Path) -> None:
+    """The device check declared (SLURM_GUARD_CHECK_DEVICE's context-manager form) through a
+    verified step with ring replay and vote: every collective tensor on the device gloo needs,
+    one device-to-host copy of the gathered rows per round (two on vote steps), and a declared
+    device that does not match is refused, not silently used."""
+    from failsafe_workers import checked_devices
+
+    outcomes = run_local(checked_devices, 3, args=(str(tmp_path), "cpu"), nodes=["a", "b", "c"])
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+    for o in outcomes:
+        assert o.value["error"] is None, o.value["message"]
+        # steps 0, 2: replay + verdict gather; steps 1, 3: verdict gather + vote
+        assert o.value["value"] == {"reads": [1, 2, 1, 2], "device": "cpu"}
+    replays = [e for e in read_ledger(tmp_path / "ledger.jsonl") if e.check == "replay"]
+    assert [(e.step, e.passed) for e in replays] == [(0, True), (2, True)]
+
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    refused = run_local(checked_devices, 3, args=(str(wrong), "cuda"), nodes=["a", "b", "c"])
+    for o in refused:
+        assert o.status == "ok" and o.value["error"] == "DeviceCheckError", o.value
+        assert "needs cuda tensors" in o.value["message"]

@@ -1,0 +1,155 @@
+"""Checks the Guard runs once at construction, before the first step.
+
+Why here and not per step: settings that differ between ranks do not fail at once, they make the
+ranks take different collective paths later (rank 1 replays every 6th step, the others every
+10th), which hangs the job until the backend's timeout with an error that names no one. One
+all-gather of digests at start turns that into an error naming the ranks and the fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from collections.abc import Sequence
+from importlib import metadata
+
+import torch
+
+from slurm_guard.collective import Collective
+from slurm_guard.config import ConfigError, GuardConfig
+from slurm_guard.faults import Fault
+from slurm_guard.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+_SHOWN = 4  # differing ranks described field by field; the rest are counted
+
+
+def _version() -> str:
+    try:
+        return metadata.version("slurm-guard")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def setup_fields(
+    config: GuardConfig, params: Sequence[torch.Tensor], comm: Collective
+) -> dict[str, str]:
+    """Everything that must be identical on every rank, each as text."""
+    fields = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    fields["parameters (shapes and dtypes)"] = repr(
+        [(tuple(p.shape), str(p.dtype)) for p in params]
+    )
+    fields["world (size, backend)"] = repr((comm.world_size, comm.backend))
+    fields["slurm-guard version"] = _version()
+    return fields
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def check_same_setup(comm: Collective, config: GuardConfig, params: Sequence[torch.Tensor]) -> None:
+    """Raise ConfigError on every rank if any rank's settings, model or version differ.
+
+    The error names each differing rank and field, with both values where they are short.
+    """
+    fields = setup_fields(config, params, comm)
+    names = sorted(fields)
+    key = "setup-fields"
+    short = {n: v for n, v in fields.items() if len(v) <= 120}
+    comm.post_cause(key, json.dumps(short), limit=8000)
+    rows = comm.all_gather_rows([_digest(fields[n]) for n in names])
+    reference = rows[0]
+    differing = {
+        r: [n for i, n in enumerate(names) if row[i] != reference[i]]
+        for r, row in enumerate(rows)
+        if row != reference
+    }
+    if not differing:
+        return
+    _, ref_text = comm.read_cause(key, 0)
+    ref_values = _loads(ref_text)
+    parts = []
+    for r, changed in list(differing.items())[:_SHOWN]:
+        _, text = comm.read_cause(key, r)
+        mine = _loads(text)
+        shown = [
+            f"{n}={mine[n]} (rank 0: {ref_values[n]})" if n in mine and n in ref_values else n
+            for n in changed
+        ]
+        parts.append(f"rank {r}: " + ", ".join(shown))
+    if len(differing) > _SHOWN:
+        parts.append(f"and {len(differing) - _SHOWN} more rank(s)")
+    raise ConfigError(
+        "the ranks were started with different guard settings, models or slurm-guard versions "
+        "(they would take different collective paths and hang): "
+        + "; ".join(parts)
+        + ". Build the same GuardConfig and model on every rank."
+    )
+
+
+def _loads(text: str) -> dict[str, str]:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
+def warn_small_world(topology: Topology, rank: int) -> None:
+    """Say once what cannot be checked at world size 1 or 2 (rank 0 only)."""
+    if rank != 0:
+        return
+    world = topology.world_size
+    if world == 1:
+        _warn_once(
+            "world1",
+            "slurm-guard at world size 1: no other rank can replay this rank's steps or vote "
+            "against its weights, so only the NaN/Inf and all-reduce checks run; a NaN gets "
+            "verdict 'ambiguous' (no replay can tell hardware from data). Run on 3 or more "
+            "ranks on 3 or more nodes for attributed verdicts.",
+        )
+    elif world == 2:
+        _warn_once(
+            "world2",
+            "slurm-guard at world size 2: replays and votes detect a fault but cannot say which "
+            "of the two ranks computed wrong (no third rank, no strict majority): such alarms "
+            "get verdict 'ambiguous' and the controller drains no node. Run on 3 or more ranks "
+            "on 3 or more nodes for attributed verdicts.",
+        )
+
+
+def announce_faults(faults: Sequence[Fault], topology: Topology, rank: int, from_env: int) -> None:
+    """Every rank logs the faults this run injects, so that no injected alarm looks real."""
+    if not faults:
+        return
+    source = f"{from_env} from SLURM_GUARD_INJECT, {len(faults) - from_env} from GuardConfig.faults"
+    logger.warning(
+        "rank %d: fault injection is ON (%s): %s; alarms raised while a fault is active are "
+        "marked injected=true",
+        rank,
+        source,
+        "; ".join(f.describe() for f in faults),
+    )
+    nodes = topology.nodes
+    for fault in faults:
+        if fault.node is not None and nodes == [fault.node]:
+            logger.warning(
+                "injected fault '%s' targets node %s, which hosts every rank of this job "
+                "(a single-host run): it corrupts every replica alike, so no replay or vote can "
+                "see it. Use rank=N, or run on several nodes (SLURMD_NODENAME per rank).",
+                fault.describe(),
+                fault.node,
+            )

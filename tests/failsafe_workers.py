@@ -1,0 +1,180 @@
+"""Guarded runs where one rank misbehaves (spawned processes import this module).
+
+Each function returns what this rank saw: the error type, its message and how long after the
+Guard was built it came, so that a test can assert that every rank stopped with the same named
+error, and soon, instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from workers import SMALL
+
+import slurm_guard as sg
+from slurm_guard.collective import Collective, check_devices
+from slurm_guard.examples.tiny_gpt import TinyGPT, lm_loss, make_batch
+from slurm_guard.records import read_json_file
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _capture_logs() -> _Lines:
+    handler = _Lines()
+    logging.getLogger("slurm_guard").addHandler(handler)
+    logging.getLogger("slurm_guard").setLevel(logging.INFO)
+    return handler
+
+
+def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    """Run fn; report a GuardError or alarm as data (a hang shows up as a lost rank)."""
+    start = time.monotonic()
+    out: dict[str, Any] = {"error": None, "message": None, "alarm": None, "value": None}
+    try:
+        out["value"] = fn()
+    except sg.SilentDataCorruption as exc:
+        out["alarm"] = exc.alarm.to_json()
+    except sg.GuardError as exc:
+        out["error"] = type(exc).__name__
+        out["message"] = str(exc)
+    out["elapsed"] = time.monotonic() - start
+    return out
+
+
+def _guard(run_dir: str, config: sg.GuardConfig, loss_fn: Any = lm_loss) -> sg.Guard:
+    torch.manual_seed(0)
+    ddp = DDP(TinyGPT(SMALL))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    return sg.Guard(ddp, opt, loss_fn, run_dir, config=config)
+
+
+def _train(run_dir: str, config: sg.GuardConfig, steps: int) -> None:
+    rank = dist.get_rank()
+    guard = _guard(run_dir, config)
+    for step in range(steps):
+        guard.step(make_batch(step, rank, SMALL))
+
+
+def mismatched_settings(run_dir: str, odd_rank: int) -> dict[str, Any]:
+    """Rank `odd_rank` builds its Guard with five settings different from the others'."""
+    config = sg.GuardConfig(replay_every=5)
+    if dist.get_rank() == odd_rank:
+        config = sg.GuardConfig(
+            replay_every=6,
+            deterministic=False,
+            schedule="random",
+            settle_buckets=False,
+            finite_check=False,
+        )
+    return _outcome(lambda: _train(run_dir, config, 8))
+
+
+def checkpoint_on_rank_zero_only(run_dir: str) -> dict[str, Any]:
+    """The classic mistake: `if rank == 0: guard.save_checkpoint()`."""
+    rank = dist.get_rank()
+
+    def run() -> None:
+        guard = _guard(run_dir, sg.GuardConfig(replay_every=5, vote_every=5))
+        for step in range(8):
+            guard.step(make_batch(step, rank, SMALL))
+            if step == 2 and rank == 0:
+                guard.save_checkpoint()
+
+    return _outcome(run)
+
+
+def rank_that_sleeps(run_dir: str, sleeper: int, seconds: float, watchdog: float) -> dict[str, Any]:
+    """Rank `sleeper` stalls before step 3 (a stuck data loader) for longer than the watchdog."""
+    rank = dist.get_rank()
+
+    def run() -> None:
+        guard = _guard(run_dir, sg.GuardConfig(watchdog_seconds=watchdog))
+        for step in range(6):
+            if step == 3 and rank == sleeper:
+                time.sleep(seconds)
+            guard.step(make_batch(step, rank, SMALL))
+
+    return _outcome(run)
+
+
+def replay_that_raises(run_dir: str, bad_rank: int) -> dict[str, Any]:
+    """The user's loss_fn raises on one rank, only while it replays another rank's step."""
+    rank = dist.get_rank()
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        if sg.is_replaying() and rank == bad_rank:
+            raise MemoryError("CUDA out of memory (simulated) in the replay")
+        return lm_loss(model, batch)
+
+    def run() -> None:
+        guard = _guard(run_dir, sg.GuardConfig(replay_every=2), loss_fn)
+        for step in range(6):
+            guard.step(make_batch(step, rank, SMALL))
+
+    return _outcome(run)
+
+
+def agree_on_failure(failing_rank: int) -> dict[str, Any]:
+    """collective.agree around work that raises on one rank only."""
+    comm = Collective(None, f"node{dist.get_rank() + 1}", watchdog_seconds=30)
+
+    def work() -> int:
+        if comm.rank == failing_rank:
+            raise TypeError("torch.save could not pickle a lambda in the optimizer state")
+        return 7
+
+    return _outcome(lambda: comm.agree(work, "checkpoint files"))
+
+
+def single_rank_nan(run_dir: str) -> dict[str, Any]:
+    """World size 1 with a NaN injected: no replay can run, the verdict must say so."""
+    logs = _capture_logs()
+    fault = sg.Fault("nan", rank=0, step=2, param=10)
+    out = _outcome(lambda: _train(run_dir, sg.GuardConfig(faults=(fault,)), 5))
+    out["logs"] = logs.lines
+    return out
+
+
+def injected_from_env(run_dir: str) -> dict[str, Any]:
+    """A fault from SLURM_GUARD_INJECT (set by the test): logged, recorded and marked."""
+    logs = _capture_logs()
+    out = _outcome(lambda: _train(run_dir, sg.GuardConfig(replay_every=2), 6))
+    out["logs"] = logs.lines
+    if dist.get_rank() == 0:
+        out["run_json"] = read_json_file(Path(run_dir) / "run.json")
+    return out
+
+
+def checked_devices(run_dir: str, declared: str) -> dict[str, Any]:
+    """A whole verified step (ring replay, gather, vote) with the device check declared.
+
+    Returns the collective's host reads per step, so that the test sees one device-to-host copy
+    per round.
+    """
+    rank = dist.get_rank()
+
+    def run() -> dict[str, Any]:
+        with check_devices(declared):
+            guard = _guard(run_dir, sg.GuardConfig(replay_every=2, vote_every=2))
+            reads = []
+            for step in range(4):
+                before = guard.comm.host_reads
+                guard.step(make_batch(step, rank, SMALL))
+                reads.append(guard.comm.host_reads - before)
+            return {"reads": reads, "device": str(guard.comm.device)}
+
+    return _outcome(run)
