@@ -195,13 +195,13 @@ def test_the_bound_scales_with_the_unit_roundoff_not_a_magic_constant() -> None:
     ones = torch.ones(1, dtype=torch.float64)
     args = (256, rows, ones * 32 * 256, ones * 32, torch.ones(8, dtype=torch.float64) * 256)
     cpu = torch.device("cpu")
-    b64 = residual_bound(*args, None, roundoff(torch.float64, cpu), 10.0)
-    b32 = residual_bound(*args, None, roundoff(torch.float32, cpu), 10.0)
-    b16 = residual_bound(*args, None, roundoff(torch.bfloat16, cpu), 10.0)
+    b64 = residual_bound(*args, None, roundoff(torch.float64, cpu), 10.0).sqrt()
+    b32 = residual_bound(*args, None, roundoff(torch.float32, cpu), 10.0).sqrt()
+    b16 = residual_bound(*args, None, roundoff(torch.bfloat16, cpu), 10.0).sqrt()
     assert float(b32[0, 0] / b64[0, 0]) == pytest.approx(2.0**29, rel=1e-3)
     assert float(b16[0, 0] / b32[0, 0]) > 2.0**10  # the bfloat16 output rounding
     # and linear in the margin
-    b32_20 = residual_bound(*args, None, roundoff(torch.float32, cpu), 20.0)
+    b32_20 = residual_bound(*args, None, roundoff(torch.float32, cpu), 20.0).sqrt()
     assert float(b32_20[0, 0] / b32[0, 0]) == pytest.approx(2.0, rel=1e-3)
 
 

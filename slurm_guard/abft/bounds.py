@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -106,7 +107,7 @@ def roundoff(dtype: torch.dtype, device: torch.device) -> Roundoff:
 
 def residual_bound(
     q: int,
-    block_rows: torch.Tensor,
+    block_rows: float | torch.Tensor,
     a_sq: torch.Tensor,
     s_sq: torch.Tensor,
     m_sq: torch.Tensor,
@@ -115,11 +116,13 @@ def residual_bound(
     margin: float,
     out_sq: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Bound on |sum_{i in b} out[i, c] - (sum_{i in b} a_i) . m_c - n_b beta_c| per (b, c).
+    """The SQUARED bound on |sum_{i in b} out[i, c] - (sum_{i in b} a_i) . m_c - n_b beta_c| per
+    (b, c) (squared: the check compares squares and takes one square root per step).
 
     Args:
         q: the GEMM's reduction length (inner dimension).
-        block_rows: (B,) rows n_b in each checksum block.
+        block_rows: rows n_b per checksum block: a number when every block has the same size,
+            else (B,) per block.
         a_sq: (B,) sum of squared row norms of A over the block, sum_{i in b} ||a_i||^2.
         s_sq: (B,) ||sum_{i in b} a_i||^2, the checksum row's own squared norm.
         m_sq: (p,) squared column norms of M, ||m_c||^2.
@@ -132,30 +135,42 @@ def residual_bound(
     Per output element the GEMM makes at most 2q + 2 roundings (q products, q additions, the bias,
     the output) plus 2q input roundings, each at most u * rho with rho = ||a_i|| ||m_c|| + |beta_c|
     >= sum_l |a_il m_lc| + |beta_c| (Cauchy-Schwarz); summing n_b rows of the block adds n_b - 1
-    roundings of partial sums no larger than sum_i rho_i (both checksum sums: output and A), and the
-    checksum GEMM 2q + 1 roundings no larger than ||s_b|| ||m_c|| + n_b |beta_c|. With
-    sum_i rho_i^2 <= 2 ||m_c||^2 a_sq + 2 n_b beta_c^2 this gives sum c_t^2 <= the terms below.
-    A second-order remainder (products of two roundings) is added explicitly: negligible in float32,
+    roundings of partial sums no larger than sum_i rho_i (both checksum sums: output and A); the
+    checksum GEMM 2q + 1 roundings no larger than ||s_b|| ||m_c|| + n_b |beta_c|; the final
+    subtraction one, no larger than 2 sum_i rho_i. With sum_i rho_i^2 <= 2 ||m_c||^2 a_sq +
+    2 n_b beta_c^2 this gives sum c_t^2 <= `terms` below. The second-order remainder (products of
+    two roundings, at most R sum_i rho_i with R = e^E - 1 - E for E the roundoffs of one element) is
+    at most R sqrt(n_b / per_element) sqrt(terms): folded into the margin, negligible in float32,
     not for half-precision accumulation over long reductions.
     """
-    n_b = block_rows
+    uniform = not isinstance(block_rows, torch.Tensor)
+    n_b: Any = block_rows if uniform else block_rows[:, None]  # type: ignore[index]
+    n_max = float(block_rows) if uniform else float(block_rows.max())  # type: ignore[union-attr]
     out_term = 0.0 if out_sq is not None else r.out**2
     per_element = (q + 1) * r.acc**2 + 2.1 * r.inp**2 + out_term
     check_gemm = (2 * q + 1) * (r.check_acc**2 + 2.1 * r.check_inp**2)
-    k1 = 2 * per_element + 3 * n_b * n_b * r.check**2  # times ||m_c||^2 a_sq
-    terms = (k1 * a_sq)[:, None] * m_sq[None, :]
-    terms = terms + (2 * check_gemm * s_sq)[:, None] * m_sq[None, :]
-    rho_sq = 2 * a_sq[:, None] * m_sq[None, :]
-    if bias_sq is not None:
-        k2 = (2 * per_element + 2 * n_b * n_b * r.check**2) * n_b  # times beta_c^2
-        k4 = (2 * check_gemm + 4 * r.check**2) * n_b * n_b
-        terms = terms + (k2 + k4)[:, None] * bias_sq[None, :]
-        rho_sq = rho_sq + (2 * n_b)[:, None] * bias_sq[None, :]
-    if out_sq is not None:
-        terms = terms + 1.01 * r.out**2 * out_sq
+    uc2 = r.check**2
     events = (2 * q + 2) * r.acc + 2 * r.inp + r.out
-    second_order = math.expm1(events) - events
-    remainder = second_order * torch.sqrt(n_b[:, None] * rho_sq)
-    tiny = torch.finfo(a_sq.dtype).tiny * (2 * q + 8) * n_b[:, None]
+    remainder = (math.expm1(events) - events) * math.sqrt(n_max / per_element)
     # 1.01: the norms and this formula are themselves computed in floating point
-    return 1.01 * (margin * torch.sqrt(terms) + remainder) + tiny
+    scale = (1.01 * (margin + remainder)) ** 2
+    floor = (torch.finfo(a_sq.dtype).tiny * (2 * q + 8) * n_max) ** 2
+    k1 = (2 * per_element + (3 * n_b + 8) * n_b * uc2) * scale  # times ||m_c||^2 a_sq
+    k3 = 2 * check_gemm * scale  # times ||m_c||^2 s_sq
+    k24 = (
+        (2 * per_element + (2 * n_b + 8) * n_b * uc2) * n_b + (2 * check_gemm + 4 * uc2) * n_b * n_b
+    ) * scale
+    if uniform and out_sq is None:  # the common case in two fused kernels
+        v = torch.add(a_sq, s_sq, alpha=k3 / k1)
+        base = floor if bias_sq is None else bias_sq.mul(k24).add_(floor)
+        return (
+            torch.addr(base, v, m_sq, alpha=k1)
+            if bias_sq is not None
+            else torch.outer(v, m_sq).mul_(k1).add_(floor)
+        )
+    terms = (k1 * a_sq[:, None] + k3 * s_sq[:, None]) * m_sq[None, :]
+    if bias_sq is not None:
+        terms = terms + k24 * bias_sq[None, :]
+    if out_sq is not None:
+        terms = terms + 1.01 * r.out**2 * scale * out_sq
+    return terms + floor

@@ -18,6 +18,7 @@ over the middle of a contiguous view: strided reductions cost more than the GEMM
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +38,8 @@ Injector = Callable[[torch.Tensor], None]
 class Site:
     """One checked layer (or one projection inside attention) and what it has seen this step.
 
-    `results` collects (pass, ratio) with the ratio a 0-dim device tensor; `checking` False keeps
+    `results` collects (pass, (residual / bound)^2 per block and column) as device tensors;
+    `checking` False keeps
     the layer wrapped for fault injection only. `injectors[pass]` corrupt that pass's output in
     place before it is checked (software faults, `slurm_guard.faults`).
     """
@@ -53,6 +55,7 @@ class Site:
     flops: list[int] | None = None  # coverage accounting: FLOPs of the GEMMs checked
     suspended: Callable[[], bool] = lambda: False
     norms: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor] | None = None
+    bias_norms: tuple[tuple[int, int, int], torch.Tensor] | None = None
 
     def active(self) -> bool:
         return self.checking and not self.suspended()
@@ -65,6 +68,13 @@ class Site:
         if self.flops is not None:
             self.flops.append(2 * n * k * m)
 
+    def bias_sq(self, b: torch.Tensor) -> torch.Tensor:
+        """beta^2, kept like the weight norms (the bias changes only at the update)."""
+        key = (b.data_ptr(), b._version, -1)
+        if self.bias_norms is None or self.bias_norms[0] != key:
+            self.bias_norms = (key, b.square())
+        return self.bias_norms[1]
+
     def weight_norms(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(||M[:, c]||^2 per output column, ||M[l, :]||^2 per input row), one pass over the
         weight per step: kept until the weight changes (version counter) or the step ends."""
@@ -72,15 +82,31 @@ class Site:
         if self.norms is None or self.norms[0] != key:
             w = m.t() if self.kind == "linear" else m  # the stored, contiguous layout
             sq = _squares(w)
-            along, across = sq.sum(1), sq.sum(0)
+            along = sq.sum(1)
+            across = torch.mv(sq.t(), torch.ones(sq.shape[0], dtype=sq.dtype, device=sq.device))
             col, row = (along, across) if self.kind == "linear" else (across, along)
             self.norms = (key, col, row)
         return self.norms[1], self.norms[2]
 
 
+_SCRATCH: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
+_SCRATCH_LIMIT = 1 << 24  # elements kept for reuse (64 MiB in float32)
+
+
 def _squares(t: torch.Tensor) -> torch.Tensor:
-    """Elementwise squares in the check dtype (float16 squares overflow above 256)."""
-    return t.to(check_dtype(t.dtype)).square()
+    """Elementwise squares in the check dtype (float16 squares overflow above 256), written into
+    a reused buffer: a fresh multi-megabyte temporary costs more in page faults than the squaring.
+    Valid until the next call."""
+    cdt = check_dtype(t.dtype)
+    n = t.numel()
+    if n > _SCRATCH_LIMIT:
+        return t.to(cdt).square()
+    key = (cdt, t.device, threading.get_ident())
+    buf = _SCRATCH.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _SCRATCH[key] = torch.empty(n, dtype=cdt, device=t.device)
+    out = buf[:n].view(t.shape)
+    return torch.mul(t, t, out=out) if t.dtype == cdt else out.copy_(t).square_()
 
 
 @contextlib.contextmanager
@@ -93,53 +119,41 @@ def _no_autocast(device: torch.device) -> Iterator[None]:
         yield
 
 
-def _blocks(n: int, block: int) -> list[tuple[int, int]]:
-    """[(start, rows)]: full blocks as one run, a ragged tail as its own block."""
+Rows = float | torch.Tensor  # rows per checksum block: one number when all blocks are equal
+
+
+def _rows(n: int, block: int, like: torch.Tensor) -> Rows:
+    if n % block == 0 or n < block:
+        return float(min(n, block))
     full = n // block
-    out = [(0, full)] if full else []
-    if n % block or not full:
-        out.append((full * block, n - full * block))
+    out = torch.full((full + 1,), float(block), dtype=like.dtype, device=like.device)
+    out[-1] = n - full * block
     return out
 
 
-def _row_sums(t: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sums of consecutive blocks of rows of a 2-D tensor (check dtype), and rows per block."""
+def _row_sums(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Sums of consecutive blocks of `block` rows of a 2-D tensor in the check dtype; a ragged
+    last block is a block of its own."""
     cdt = check_dtype(t.dtype)
     n, d = t.shape
-    sums, rows = [], []
-    for i, (start, count) in enumerate(_blocks(n, block)):
-        if i == 0 and n >= block:
-            sums.append(t[: count * block].reshape(count, block, d).sum(1, dtype=cdt))
-            rows.append(torch.full((count,), float(block), dtype=cdt, device=t.device))
-        else:
-            sums.append(t[start:].sum(0, keepdim=True, dtype=cdt))
-            rows.append(torch.full((1,), float(count), dtype=cdt, device=t.device))
-    if len(sums) == 1:
-        return sums[0], rows[0]
-    return torch.cat(sums), torch.cat(rows)
+    if n <= block:
+        return t.sum(0, keepdim=True, dtype=cdt)
+    full = n // block
+    body = t if full * block == n else t[: full * block]
+    sums = body.reshape(full, block, d).sum(1, dtype=cdt)
+    if full * block == n:
+        return sums
+    return torch.cat([sums, t[full * block :].sum(0, keepdim=True, dtype=cdt)])
 
 
 def _col_sums(t: torch.Tensor, block: int) -> torch.Tensor:
-    """Sums of consecutive blocks of columns of a 2-D tensor: (rows, blocks)."""
-    cdt = check_dtype(t.dtype)
+    """Sums of consecutive blocks of `block` columns of a 2-D tensor: (rows, blocks)."""
+    return _row_sums(t.t(), block).t() if t.shape[1] % block else _inner_sums(t, block)
+
+
+def _inner_sums(t: torch.Tensor, block: int) -> torch.Tensor:
     r, d = t.shape
-    parts = []
-    for i, (start, count) in enumerate(_blocks(d, block)):
-        if i == 0 and d >= block:
-            body = t if count * block == d else t[:, : count * block]
-            parts.append(body.reshape(r, count, block).sum(2, dtype=cdt))
-        else:
-            parts.append(t[:, start:].sum(1, keepdim=True, dtype=cdt))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
-
-
-def _ratio(out_sums: torch.Tensor, predicted: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """Largest |residual| / bound. A non-finite bound (non-finite or overflowing inputs: the
-    finite check's business) leaves the block unchecked; a non-finite residual under a finite
-    bound is a failed check."""
-    residual = (out_sums.double() - predicted.double()).abs()
-    ratio = (residual / bound.double()).nan_to_num(nan=float("inf"))
-    return torch.where(torch.isfinite(bound), ratio, 0.0).amax()
+    return t.reshape(r, d // block, block).sum(2, dtype=check_dtype(t.dtype))
 
 
 def _check(
@@ -148,29 +162,37 @@ def _check(
     out_sums: torch.Tensor,
     a_sums: torch.Tensor,
     a_sq: torch.Tensor,
-    rows: torch.Tensor,
+    rows: Rows,
     m: torch.Tensor,
     m_sq: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Residual ratio of one product out = A M (+ bias), with A's rows summed per block:
-    out_sums and a_sums (B, .) the block sums, a_sq (B,) the blocks' squared Frobenius norms,
-    m_sq (p,) M's squared column norms, q the reduction length, out the product itself (2-D)."""
+    """(residual / bound)^2 per block and column of one product out = A M (+ bias), A's rows
+    summed per block: out_sums and a_sums (B, .) the block sums, a_sq (B,) the blocks' squared
+    Frobenius norms, m_sq (p,) M's squared column norms, q the reduction length, out the product
+    itself (2-D). Left on the device; `Abft.collect` reduces a whole step's at once.
+
+    A NaN residual (a NaN or Inf out of the GEMM) gives NaN, which `collect` counts as a failed
+    check. Non-finite inputs make one too: the guard judges non-finite values with its finite
+    check (and replays) first, so a bad sample stays `numerical`."""
     cdt = a_sums.dtype
     dtype = out.dtype
-    low = dtype in (torch.bfloat16, torch.float16)
-    out_sq = _row_sums(_squares(out), site.block)[0] if low else None
-    predicted = a_sums @ m.to(cdt)
+    predicted = a_sums @ (m if m.dtype == cdt else m.to(cdt))
     bias_sq = None
     if bias is not None:
-        b = bias.to(cdt)
-        predicted = predicted + rows[:, None] * b[None, :]
-        bias_sq = b.square()
+        b = bias if bias.dtype == cdt else bias.to(cdt)
+        if isinstance(rows, float):
+            predicted.add_(b, alpha=rows)
+        else:
+            predicted.addcmul_(rows[:, None], b[None, :])
+        bias_sq = site.bias_sq(b)
+    low = dtype in (torch.bfloat16, torch.float16)
+    out_sq = _row_sums(_squares(out), site.block) if low else None
     s_sq = a_sums.square().sum(1)
     r = roundoff(dtype, m.device)
-    bound = residual_bound(q, rows, a_sq, s_sq, m_sq, bias_sq, r, site.margin, out_sq)
-    return _ratio(out_sums, predicted, bound)
+    bound2 = residual_bound(q, rows, a_sq, s_sq, m_sq, bias_sq, r, site.margin, out_sq)
+    return predicted.sub_(out_sums).square_().div_(bound2)
 
 
 def _check_weight_grad(
@@ -187,10 +209,12 @@ def _check_weight_grad(
     reduction runs over the n rows of the step's tokens.
     """
     block = site.block
+    width = p.shape[1]
     a_sums = _col_sums(p, block).t()  # (R, n)
-    a_sq, rows = _row_sums(p_col_sq.unsqueeze(1), block)
-    out_sums, _ = _row_sums(grad, block)
-    return _check(site, p.shape[0], out_sums, a_sums, a_sq[:, 0], rows, q, q_col_sq, None, grad)
+    a_sq = _row_sums(p_col_sq.unsqueeze(1), block)[:, 0]
+    rows = _rows(width, block, a_sq)
+    out_sums = _row_sums(grad, block)
+    return _check(site, p.shape[0], out_sums, a_sums, a_sq, rows, q, q_col_sq, None, grad)
 
 
 class CheckedGemm(torch.autograd.Function):
@@ -216,13 +240,14 @@ class CheckedGemm(torch.autograd.Function):
         site.count(x2.shape[0], k, m.shape[1])
         if site.active():
             with torch.no_grad(), _no_autocast(y.device):
-                x_sums, rows = _row_sums(x2, site.block)
-                x_sq, _ = _row_sums(_squares(x2), site.block)  # (B, k)
+                x_sums = _row_sums(x2, site.block)
+                x_sq = _row_sums(_squares(x2), site.block)  # (B, k)
+                rows = _rows(x2.shape[0], site.block, x_sums)
                 col_sq, _ = site.weight_norms(m)
                 ratio = _check(
                     site,
                     k,
-                    _row_sums(y, site.block)[0],
+                    _row_sums(y, site.block),
                     x_sums,
                     x_sq.sum(1),
                     rows,
@@ -261,14 +286,15 @@ class CheckedGemm(torch.autograd.Function):
             grad_b = g.sum(0)
         if site.active() and (need_x or need_m):
             with torch.no_grad(), _no_autocast(g.device):
-                g_sums, rows = _row_sums(g, site.block)
-                g_sq, _ = _row_sums(_squares(g), site.block)  # (B, out)
+                g_sums = _row_sums(g, site.block)
+                g_sq = _row_sums(_squares(g), site.block)  # (B, out)
+                rows = _rows(n, site.block, g_sums)
                 if grad_x is not None:
                     _, row_sq = site.weight_norms(m)
                     ratio = _check(
                         site,
                         m.shape[1],
-                        _row_sums(grad_x, site.block)[0],
+                        _row_sums(grad_x, site.block),
                         g_sums,
                         g_sq.sum(1),
                         rows,
@@ -279,7 +305,7 @@ class CheckedGemm(torch.autograd.Function):
                     )
                     site.results.append((GRAD_X, ratio))
                 if stored is not None:
-                    x_sq = ctx.x_sq if ctx.x_sq is not None else _row_sums(_squares(x2), n)[0]
+                    x_sq = ctx.x_sq if ctx.x_sq is not None else _row_sums(_squares(x2), n)
                     x_col_sq, g_col_sq = x_sq.sum(0), g_sq.sum(0)
                     if linear:
                         ratio = _check_weight_grad(site, g, g_col_sq, x2, x_col_sq, stored)

@@ -104,25 +104,31 @@ class Abft:
     def reset(self) -> None:
         for s in self.sites:
             s.results.clear()
-            s.norms = None
+            s.norms = s.bias_norms = None
 
     def collect(self) -> torch.Tensor | None:
         """(layers, 3) worst ratio per layer and pass since the last reset, on the device; -1
         where that GEMM did not run; None if nothing was checked. Clears the pending results."""
-        values, index = [], []
+        values, index, sizes = [], [], []
         for s in self.sites:
-            for which, ratio in s.results:
-                values.append(ratio.reshape(1))
+            for which, ratio2 in s.results:
+                values.append(ratio2.reshape(-1))
                 index.append(s.index * len(PASSES) + which)
+                sizes.append(ratio2.numel())
             s.results.clear()
-            s.norms = None  # a new step: the optimizer may have changed the weights
+            s.norms = s.bias_norms = None  # a new step: the optimizer may change the weights
         if not values:
             return None
-        v = torch.cat(values).float()
-        worst = torch.full((len(self.sites) * len(PASSES),), -1.0, device=v.device)
-        idx = torch.tensor(index, device=v.device)
-        worst.scatter_reduce_(0, idx, v, reduce="amax")
-        return worst.view(len(self.sites), len(PASSES))
+        device = values[0].device
+        flat = torch.cat(values).float()
+        segment = torch.repeat_interleave(
+            torch.tensor(index, device=device), torch.tensor(sizes, device=device)
+        )
+        worst = torch.full((len(self.sites) * len(PASSES),), -1.0, device=device)
+        # NaN (a non-finite GEMM result) must fail: scatter_reduce's amax would keep it, but make
+        # it explicit, and take the square root once per step
+        worst.scatter_reduce_(0, segment, flat.nan_to_num(nan=float("inf")), reduce="amax")
+        return torch.where(worst > 0, worst.sqrt(), worst).view(len(self.sites), len(PASSES))
 
     def summary(self, worst: torch.Tensor | None) -> torch.Tensor:
         """[largest ratio, its flat (layer * 3 + pass) index] as float64 on the same device: the
