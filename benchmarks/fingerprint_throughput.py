@@ -1,7 +1,9 @@
-"""Fingerprint throughput against the fastest read-only pass over the same tensor.
+"""Fingerprint (and hook-check) throughput against the fastest read-only pass over the same tensor.
 
 Fingerprinting reads every byte once, so `tensor.sum()` on the same tensor and device is its
-floor. Variants are interleaved round by round (the machine is shared); figures are medians.
+floor. The fused bucket check of the DDP hook (sketch, L1 norm, finite flag in float64, one
+pass) is measured beside it, with the three torch passes it replaced. Variants are interleaved
+round by round (the machine is shared); figures are medians.
 
     python benchmarks/fingerprint_throughput.py            # 1e5..1e8 float32 elements
     python benchmarks/fingerprint_throughput.py --quick    # 1e5..1e7, fewer rounds
@@ -19,6 +21,7 @@ from _common import median, table, write_json
 
 from slurm_guard import fingerprint_fast as ff
 from slurm_guard.fingerprint import Fingerprinter
+from slurm_guard.kernels import sketch as sk
 
 GOAL = 0.80  # fraction of tensor.sum() bandwidth
 
@@ -35,11 +38,29 @@ def per_call(fn: Callable[[], object], budget_s: float) -> float:
             return elapsed / calls
 
 
+def _hook_variants(seed: int, largest: int) -> dict[str, Callable[[torch.Tensor], object]]:
+    words = sk.seed_words(seed)
+    signs = torch.randint(0, 2, (largest,), dtype=torch.int8).float() * 2 - 1
+
+    def three_passes(t: torch.Tensor) -> object:  # the hook before the fused kernel
+        s = (t * signs[: t.numel()]).sum(dtype=torch.float64)
+        return s, torch.linalg.vector_norm(t, 1, dtype=torch.float64)
+
+    backend = sk.backend(torch.device("cpu"))
+    return {
+        f"bucket check ({backend})": lambda t: sk.bucket_check(t, words),
+        "bucket check before (3 torch passes)": three_passes,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sizes up to 1e7, 5 rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--with-hook-check", action="store_true", help="also the hook's fused bucket check"
+    )
     parser.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
     args = parser.parse_args()
     sizes = [10**5, 10**6, 10**7] if args.quick else [10**5, 10**6, 10**7, 10**8]
@@ -57,6 +78,8 @@ def main() -> None:
     if hasattr(torch, "hash_tensor"):
         variants["torch.hash_tensor"] = lambda t: torch.hash_tensor(t)
     slow = {"fast (torch path)", "reference (fingerprint.py)"}
+    if args.with_hook_check:
+        variants.update(_hook_variants(seed, max(sizes)))
     records = []
     for threads in args.threads:
         torch.set_num_threads(threads)
