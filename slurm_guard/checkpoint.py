@@ -4,6 +4,10 @@ Every rank writes its RNG state into a staging directory, rank 0 adds the model 
 state and, last of all, `meta.json` with a sha256 per file and the weight fingerprint the vote
 agreed on; then the directory is renamed into place. A checkpoint without meta.json, with a file
 whose hash differs, or whose loaded state does not reproduce the fingerprint, is never loaded.
+
+Staging directories are named per attempt (`.staging-<step>-r<restart>-<attempt>`): a save that
+was killed half-way leaves its directory to the next start, which deletes it, and can never mix
+its files (a sealed meta.json above all) into a later save of the same step.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,7 @@ from typing import Any
 import torch
 
 from slurm_guard.records import atomic_write_json, fsync_dir
-from slurm_guard.rundir import CheckpointMeta, RunDir
+from slurm_guard.rundir import STAGING_PREFIX, CheckpointMeta, RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +43,14 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def staging_dir(run_dir: RunDir, step: int, restart_count: int) -> Path:
-    return run_dir.checkpoints_dir / f".staging-{step:08d}-r{restart_count}"
+def staging_dir(run_dir: RunDir, step: int, restart_count: int, attempt: str = "") -> Path:
+    suffix = f"-{attempt}" if attempt else ""
+    return run_dir.checkpoints_dir / f"{STAGING_PREFIX}{step:08d}-r{restart_count}{suffix}"
+
+
+def discard(stage: Path) -> None:
+    """Remove a staging directory after a failed save (best effort: the next start retries)."""
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 def _save(obj: Any, path: Path) -> None:
@@ -50,8 +61,12 @@ def _save(obj: Any, path: Path) -> None:
 
 
 def write_rank_files(stage: Path, rank: int, model_state: Any, optim_state: Any) -> None:
-    """Called on every rank; only rank 0 passes model and optimizer state."""
-    stage.mkdir(parents=True, exist_ok=True)
+    """Called on every rank; only rank 0 passes model and optimizer state.
+
+    checkpoints/ must exist: it is never recreated here, so a run directory that vanished
+    mid-run (or a shared filesystem that went away) fails the save instead of receiving it.
+    """
+    stage.mkdir(exist_ok=True)
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
@@ -70,9 +85,14 @@ def publish(
     fingerprint_seed: int,
     world_size: int,
     restart_count: int,
+    run_id: str | None = None,
 ) -> Path:
     """Rank 0, after every rank wrote its files: seal with meta.json and rename into place."""
-    files = {p.name: sha256_file(p) for p in sorted(stage.iterdir()) if p.is_file()}
+    files = {
+        p.name: sha256_file(p)
+        for p in sorted(stage.iterdir())
+        if p.is_file() and p.name != "meta.json"
+    }
     meta = CheckpointMeta(
         step=step,
         weight_fingerprint=weight_fingerprint,
@@ -82,6 +102,7 @@ def publish(
         world_size=world_size,
         restart_count=restart_count,
         created=time.time(),
+        run_id=run_id,
     )
     atomic_write_json(stage / "meta.json", meta.__dict__)
     final = run_dir.checkpoint_path(step)
@@ -94,17 +115,23 @@ def publish(
 
 
 def verify_files(run_dir: RunDir, meta: CheckpointMeta) -> str | None:
-    """None when every listed file is present with its recorded hash; else what is wrong."""
+    """None when every listed file is present with its recorded hash; else what is wrong.
+
+    Never raises: an unreadable file is as unusable as a corrupt one.
+    """
     directory = run_dir.checkpoint_path(meta.step)
     for required in (MODEL_FILE, OPTIMIZER_FILE):
         if required not in meta.files:
             return f"meta.json lists no {required}"
     for name, expected in meta.files.items():
         path = directory / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if sha256_file(path) != expected:
-            return f"{name} does not match its recorded sha256 (corrupt or partial)"
+        try:
+            if not path.is_file():
+                return f"{name} is missing"
+            if sha256_file(path) != expected:
+                return f"{name} does not match its recorded sha256 (corrupt or partial)"
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror})"
     return None
 
 

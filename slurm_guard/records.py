@@ -13,28 +13,26 @@ that says what is wrong and what to do.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import logging
 import os
+import secrets
 import stat
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_guard.protocol import ALARM_SCHEMA, LEDGER_SCHEMA
+from slurm_guard.protocol import ALARM_SCHEMA, LEDGER_SCHEMA, Check, Verdict
+
+logger = logging.getLogger(__name__)
 
 MAX_RECORD_BYTES = 1 << 20  # an alarm is a few KiB; anything near this is not ours
+MAX_LEDGER_BYTES = 64 << 20  # ~400k verifications; older lines than this are not read
 
-VERDICTS = ("sdc", "ambiguous", "numerical")
-CHECKS = (
-    "finite_local",
-    "finite_reduced",
-    "replay",
-    "vote",
-    "conservation",
-    "reduced_consistency",
-)
+VERDICTS = tuple(v.value for v in Verdict)  # "sdc", "ambiguous", "numerical"
+CHECKS = tuple(c.value for c in Check)
 
 
 class RecordError(ValueError):
@@ -45,10 +43,13 @@ def atomic_write_bytes(path: Path, data: bytes, *, overwrite: bool = True) -> No
     """Write `data` so that readers see all of it or nothing.
 
     With overwrite=False an existing file is never replaced (alarms are write-once):
-    `FileExistsError` is raised instead.
+    `FileExistsError` is raised instead. The file gets the process umask's permissions (0644
+    under umask 022), like any file the training user creates: the controller often runs as
+    another user (SlurmUser) and must be able to read alarms. `mkstemp` would force 0600.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -61,7 +62,7 @@ def atomic_write_bytes(path: Path, data: bytes, *, overwrite: bool = True) -> No
             os.link(tmp, path)
             os.unlink(tmp)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
@@ -82,22 +83,53 @@ def atomic_write_json(path: Path, obj: Any, *, overwrite: bool = True) -> None:
     )
 
 
+def open_regular(path: Path, *, write: bool = False) -> int:
+    """A descriptor on `path` only if it is a regular file, never following a symlink.
+
+    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer (or reader)
+    forever; fstat on the open descriptor then refuses anything but a regular file, without the
+    race of checking the path first and opening it after. Raises OSError (ELOOP for a symlink,
+    EINVAL for a special file) so that callers that handle I/O errors handle these too.
+    """
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK
+    flags |= (os.O_WRONLY | os.O_APPEND | os.O_CREAT) if write else os.O_RDONLY
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(
+                errno.ELOOP, "is a symbolic link; records must be regular files", str(path)
+            ) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_json_file(path: Path, *, max_bytes: int = MAX_RECORD_BYTES) -> Any:
     """Read one JSON record defensively: no symlinks, no special files, bounded size."""
     try:
-        st = os.lstat(path)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise RecordError(f"{path}: no such file") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise RecordError(f"{path}: is a symbolic link; records must be regular files")
-    if not stat.S_ISREG(st.st_mode):
-        raise RecordError(f"{path}: not a regular file")
-    if st.st_size > max_bytes:
-        raise RecordError(f"{path}: {st.st_size} bytes, larger than the {max_bytes}-byte limit")
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(path, flags)
+    except OSError as exc:
+        raise RecordError(f"{path}: {exc.strerror}") from None
     with os.fdopen(fd, "rb") as f:
-        data = f.read(max_bytes + 1)
+        size = os.fstat(f.fileno()).st_size
+        if size > max_bytes:
+            raise RecordError(f"{path}: {size} bytes, larger than the {max_bytes}-byte limit")
+        try:
+            data = f.read(max_bytes + 1)
+        except OSError as exc:
+            raise RecordError(f"{path}: {exc.strerror}") from None
+    if len(data) > max_bytes:
+        raise RecordError(f"{path}: larger than the {max_bytes}-byte limit")
     try:
         return json.loads(data)
     # ValueError: also integers longer than Python's digit limit; RecursionError: nesting.
@@ -106,6 +138,22 @@ def read_json_file(path: Path, *, max_bytes: int = MAX_RECORD_BYTES) -> Any:
             f"{path}: not valid JSON ({exc}); the file is truncated or was not written by "
             "slurm-guard. Move it aside and rerun."
         ) from None
+
+
+def new_attempt_id() -> str:
+    """A random id for one start of a run (one process group), 12 hex digits.
+
+    Job ids repeat (runs outside Slurm have none; a reset slurmctld starts counting again) and
+    restart counts repeat with them, so only this makes an alarm id unique for good.
+    """
+    return secrets.token_hex(6)
+
+
+def make_alarm_id(
+    job_id: str | None, restart_count: int, attempt: str, step: int, check: str
+) -> str:
+    """`job<J>-r<restart>-a<attempt>-step<S>-<check>`: readable, sortable, never repeated."""
+    return f"job{job_id or 'local'}-r{restart_count}-a{attempt}-step{step}-{check}"
 
 
 @dataclass(frozen=True)
@@ -138,6 +186,7 @@ class Alarm:
     world_size: int
     created: float = field(default_factory=time.time)
     schema: int = ALARM_SCHEMA
+    injected: bool = False  # a fault injected on purpose was active (optional in the file)
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -190,6 +239,8 @@ def parse_alarm(obj: Any, source: str = "alarm") -> Alarm:
         if not isinstance(value, types):
             names = "/".join(t.__name__ for t in types)
             raise RecordError(f"{source}: field {key!r} must be {names}")
+    if not isinstance(obj.get("injected", False), bool):
+        raise RecordError(f"{source}: field 'injected' must be a boolean")
     if obj["verdict"] not in VERDICTS:
         raise RecordError(f"{source}: unknown verdict {obj['verdict']!r}; expected {VERDICTS}")
     if obj["check"] not in CHECKS:
@@ -229,10 +280,11 @@ class LedgerEntry:
 def append_ledger(path: Path, entry: LedgerEntry) -> None:
     """Append one line with a single write() on an O_APPEND descriptor, then fsync.
 
-    A crash leaves at worst a truncated last line, which `read_ledger` skips.
+    A crash leaves at worst a truncated last line, which `read_ledger` skips. A symlink or a
+    special file in the ledger's place raises OSError instead of being written through.
     """
     line = json.dumps(dataclasses.asdict(entry), sort_keys=True) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = open_regular(path, write=True)
     try:
         os.write(fd, line.encode())
         os.fsync(fd)
@@ -240,26 +292,45 @@ def append_ledger(path: Path, entry: LedgerEntry) -> None:
         os.close(fd)
 
 
-def read_ledger(path: Path) -> list[LedgerEntry]:
-    """Every well-formed entry; malformed lines (a torn last write) are skipped."""
-    if not path.exists():
+def read_ledger(path: Path, *, max_bytes: int = MAX_LEDGER_BYTES) -> list[LedgerEntry]:
+    """Every well-formed entry of the newest `max_bytes` of the ledger; never raises.
+
+    Malformed lines (a torn last write) are skipped. A ledger that is a symlink, a FIFO or a
+    device (`/dev/zero`), or that cannot be read, counts as empty with a warning: the readers
+    (`status`, the resume rule) then know of no passing replay, which trusts less, never more.
+    """
+    try:
+        fd = open_regular(path)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        logger.warning("ignoring ledger %s: %s", path, exc.strerror)
+        return []
+    try:
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                f.seek(size - max_bytes)
+                f.readline()  # the first line is cut: start at the next whole one
+            data = f.read(max_bytes)
+    except OSError as exc:
+        logger.warning("ignoring ledger %s: %s", path, exc.strerror)
         return []
     entries: list[LedgerEntry] = []
-    with open(path, "rb") as f:
-        for raw in f:
-            try:
-                obj = json.loads(raw)
-                entries.append(
-                    LedgerEntry(
-                        step=int(obj["step"]),
-                        check=str(obj["check"]),
-                        passed=bool(obj["passed"]),
-                        detail=dict(obj.get("detail", {})),
-                        restart_count=int(obj.get("restart_count", 0)),
-                        time=float(obj.get("time", 0.0)),
-                        schema=int(obj.get("schema", LEDGER_SCHEMA)),
-                    )
+    for raw in data.splitlines():
+        try:
+            obj = json.loads(raw)
+            entries.append(
+                LedgerEntry(
+                    step=int(obj["step"]),
+                    check=str(obj["check"]),
+                    passed=bool(obj["passed"]),
+                    detail=dict(obj.get("detail", {})),
+                    restart_count=int(obj.get("restart_count", 0)),
+                    time=float(obj.get("time", 0.0)),
+                    schema=int(obj.get("schema", LEDGER_SCHEMA)),
                 )
-            except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
-                continue
+            )
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
+            continue
     return entries

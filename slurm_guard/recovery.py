@@ -1,8 +1,14 @@
 """Where a restarted job resumes, and the bookkeeping that makes a rollback happen once.
 
-Run by rank 0 only; the guard broadcasts the decision. Alarms that are not yet handled limit
-the choice (the resume rule of `rundir.choose_trusted_checkpoint`); a checkpoint whose files do
-not match their recorded hashes is skipped with a warning, never loaded.
+Planned by rank 0; the guard broadcasts each step it tries, every rank loads it and checks the
+weight fingerprint, and a checkpoint that fails anywhere is skipped for the next older one.
+Alarms that are not yet handled limit the choice (the resume rule of
+`rundir.choose_trusted_checkpoint`).
+
+Fail closed: what the rule needs but cannot read (an alarm file, the checkpoint listing) is an
+error, not a warning, and so is a run whose every allowed checkpoint is damaged. The one
+override is `SLURM_GUARD_RESUME=fresh` (`rundir.fresh_start_requested`): start from step 0 with
+every existing checkpoint moved to quarantine/, which can never load anything untrusted.
 """
 
 from __future__ import annotations
@@ -13,9 +19,18 @@ from dataclasses import dataclass, field
 
 from slurm_guard import checkpoint as ckpt
 from slurm_guard.records import read_ledger
-from slurm_guard.rundir import RunDir, choose_trusted_checkpoint
+from slurm_guard.rundir import (
+    OVERRIDE_HINT,
+    CheckpointMeta,
+    RunDir,
+    RunDirError,
+    trust_limit,
+)
 
 logger = logging.getLogger(__name__)
+
+FRESH_START_ID = "fresh-start"
+"""quarantine/<this>-<attempt>/ receives the checkpoints a requested fresh start moves aside."""
 
 
 @dataclass(frozen=True)
@@ -24,40 +39,126 @@ class ResumePoint:
     last_verified_step: int  # the newest passing replay at or before it, -1 if none
     pending_alarms: list[str] = field(default_factory=list)  # rolled back by this resume
     verified_steps: list[int] = field(default_factory=list)  # passing replays up to `step`
+    fresh: bool = False  # a requested fresh start: every checkpoint moves to quarantine/
+
+
+@dataclass
+class ResumePlan:
+    """Rank 0's view of what may be resumed from, newest first, before anything is loaded."""
+
+    run_dir: RunDir
+    candidates: list[CheckpointMeta]  # allowed by the resume rule, newest first
+    damaged: dict[int, str]  # allowed steps known to be damaged, with the reason
+    pending_alarms: list[str]  # alarms (and lost alarms) this resume rolls back
+    verified: list[int]  # passing replay steps from the ledger
+    fresh: bool = False  # SLURM_GUARD_RESUME=fresh: load nothing, move everything aside
+
+    def next_candidate(self) -> CheckpointMeta | None:
+        """Pop the newest remaining candidate whose files match their hashes.
+
+        One whose files do not is recorded as damaged with a warning and the next is tried.
+        """
+        while self.candidates:
+            meta = self.candidates.pop(0)
+            problem = ckpt.verify_files(self.run_dir, meta)
+            if problem is None:
+                return meta
+            self.reject(meta.step, problem)
+        return None
+
+    def reject(self, step: int, problem: str) -> None:
+        logger.warning("skipping checkpoint step-%08d: %s", step, problem)
+        self.damaged[step] = problem
+
+    def point(self, step: int) -> ResumePoint:
+        passes = sorted({s for s in self.verified if s <= step})
+        return ResumePoint(
+            step, max(passes, default=-1), list(self.pending_alarms), passes, self.fresh
+        )
+
+    def nothing_usable(self) -> RunDirError | None:
+        """The error when checkpoints were allowed but every one of them is damaged."""
+        if self.fresh or not self.damaged:
+            return None
+        newest = sorted(self.damaged.items())[-3:]
+        listed = "; ".join(f"step-{step:08d}: {problem[:80]}" for step, problem in newest)
+        return RunDirError(
+            f"all {len(self.damaged)} checkpoints the resume rule allows are damaged "
+            f"({listed}); nothing was loaded. Restore one from a backup. {OVERRIDE_HINT}"
+        )
+
+
+def plan_resume(run_dir: RunDir, trust_replays: int = 1, *, fresh: bool = False) -> ResumePlan:
+    """Which checkpoints a restart may load, newest first; RunDirError where that is unknowable.
+
+    Raises RunDirError (unless `fresh`) for an alarm file that cannot be read or is of a newer
+    schema and is not marked handled, and for an alarms/, checkpoints/ or handled/ directory
+    that cannot be listed.
+    """
+    handled = run_dir.handled_ids()
+    alarms, _ = run_dir.alarms()
+    unreadable = {k: v for k, v in run_dir.unreadable_alarms().items() if k not in handled}
+    lost = [a for a in run_dir.lost_alarms() if a.alarm_id not in handled]
+    pending = [a for a in alarms if a.alarm_id not in handled]
+    if unreadable and not fresh:
+        why = sorted(unreadable.items())[0][1]
+        more = f" ({len(unreadable) - 1} more)" if len(unreadable) > 1 else ""
+        raise RunDirError(
+            f"unusable alarm file{more}: {why[:240]}. An alarm limits which checkpoint may be "
+            "loaded, so the guard will not guess: move the file out of alarms/ if it is not a "
+            f"real alarm. {OVERRIDE_HINT}"
+        )
+    scan = run_dir.scan_checkpoints()  # RunDirError if checkpoints/ cannot be listed
+    verified = [e.step for e in read_ledger(run_dir.ledger) if e.check == "replay" and e.passed]
+    ids = [a.alarm_id for a in pending] + [a.alarm_id for a in lost] + sorted(unreadable)
+    if fresh:
+        logger.warning(
+            "SLURM_GUARD_RESUME=fresh: starting from step 0; %d checkpoints move to quarantine/",
+            len(scan.metas) + len(scan.damaged),
+        )
+        return ResumePlan(run_dir, [], {}, ids, verified, fresh=True)
+    # A numerical verdict stopped before its update: the weights are fine, nothing to undo.
+    limits = [
+        trust_limit(a.last_verified_step, verified, trust_replays)
+        for a in pending
+        if a.verdict != "numerical"
+    ] + [a.trust_upto for a in lost]
+    trusted_none = any(limit is None for limit in limits)
+    up_to = None if not limits or trusted_none else min(x for x in limits if x is not None)
+
+    def allowed(step: int) -> bool:
+        return not trusted_none and (up_to is None or step <= up_to)
+
+    candidates = sorted(
+        (m for m in scan.metas if m.clean_vote and allowed(m.step)),
+        key=lambda m: -m.step,
+    )
+    damaged = {s: p for s, p in scan.damaged.items() if allowed(s)}
+    for step, problem in sorted(damaged.items()):
+        logger.warning("skipping checkpoint step-%08d: %s", step, problem)
+    return ResumePlan(run_dir, candidates, damaged, ids, verified)
 
 
 def choose_resume_point(run_dir: RunDir, trust_replays: int = 1) -> ResumePoint:
-    alarms, errors = run_dir.alarms()
-    for err in errors:
-        logger.warning("ignoring unreadable alarm file: %s", err)
-    handled = run_dir.handled_ids()
-    # A numerical verdict stopped before its update: the weights are fine, nothing to undo.
-    pending = [a for a in alarms if a.alarm_id not in handled and a.verdict != "numerical"]
-    limiting = min(
-        pending,
-        key=lambda a: -1 if a.last_verified_step is None else a.last_verified_step,
-        default=None,
-    )
-    candidates = run_dir.checkpoints()
-    verified = [e.step for e in read_ledger(run_dir.ledger) if e.check == "replay" and e.passed]
-    chosen = -1
-    while (
-        meta := choose_trusted_checkpoint(candidates, limiting, verified, trust_replays)
-    ) is not None:
-        problem = ckpt.verify_files(run_dir, meta)
-        if problem is None:
-            chosen = meta.step
-            break
-        logger.warning("skipping checkpoint at step %d: %s", meta.step, problem)
-        candidates = [c for c in candidates if c.step != meta.step]
-    passes = [s for s in verified if s <= chosen]
-    return ResumePoint(
-        chosen, max(passes, default=-1), [a.alarm_id for a in pending], sorted(set(passes))
-    )
+    """The newest loadable checkpoint as rank 0 alone sees it (files hashed, nothing loaded)."""
+    plan = plan_resume(run_dir, trust_replays)
+    meta = plan.next_candidate()
+    if meta is None:
+        error = plan.nothing_usable()
+        if error is not None:
+            raise error
+    return plan.point(-1 if meta is None else meta.step)
 
 
-def finish_rollback(run_dir: RunDir, point: ResumePoint, restart_count: int) -> None:
+def finish_rollback(
+    run_dir: RunDir, point: ResumePoint, restart_count: int, attempt: str = ""
+) -> None:
     """Quarantine what the rollback skipped and mark its alarms handled, after the load."""
+    if point.fresh:
+        # Old checkpoints are never left behind to be trusted by a later start.
+        moved = run_dir.quarantine_after(-1, f"{FRESH_START_ID}-{attempt or int(time.time())}")
+        if moved:
+            logger.warning("fresh start: moved %s to quarantine/", ", ".join(moved))
     for alarm_id in point.pending_alarms:
         # With no trusted checkpoint (step -1) every checkpoint is quarantined.
         moved = run_dir.quarantine_after(point.step, alarm_id)

@@ -283,6 +283,92 @@ def test_checkpoint_meta_with_infinite_step_is_skipped(tmp_path: Path) -> None:
     assert rd.checkpoints() == []
 
 
+# ---------------------------------------------------------------- special files, odd fields
+
+_BOUNDED = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # the old reader ate 3 GB in 3 s
+from pathlib import Path
+from slurm_guard.records import LedgerEntry, append_ledger, read_ledger
+path = Path(sys.argv[1])
+entries = read_ledger(path)
+try:
+    append_ledger(path, LedgerEntry(1, "replay", True, {}, 0))
+    appended = "appended"
+except OSError as exc:
+    appended = f"refused: {exc}"
+print(len(entries), appended)
+"""
+
+
+@pytest.mark.parametrize("kind", ["symlink-to-dev-zero", "fifo"])
+def test_a_ledger_that_is_not_a_regular_file_is_refused_without_hanging(
+    tmp_path: Path, kind: str
+) -> None:
+    """Before: /dev/zero ate memory until MemoryError; a FIFO blocked the reader forever."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ledger.jsonl"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to("/dev/zero")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", _BOUNDED, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"reading a {kind} ledger hangs")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("0 refused"), out.stdout
+    assert "ignoring ledger" in out.stderr or out.stderr == "", out.stderr[-500:]
+
+
+def test_a_huge_ledger_is_read_from_its_tail_only(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.jsonl"
+    line = json.dumps({"step": 1, "check": "replay", "passed": True}) + "\n"
+    path.write_text(line * 1000 + json.dumps({"step": 2, "check": "vote", "passed": True}) + "\n")
+    got = read_ledger(path, max_bytes=10 * len(line))
+    assert 1 <= len(got) <= 10 and got[-1].step == 2
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        {"config": [1, 2], "started": "yesterday", "job_id": 5, "restart_count": "x"},
+        {"config": {"faults": [{"deep": [1]}], "x": {"y": 1}}, "started": 1e400},
+        [1, 2],
+        "just a string",
+    ],
+)
+def test_odd_run_json_fields_give_no_traceback(tmp_path: Path, run: Any) -> None:
+    rd = RunDir(tmp_path)
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    info = rd.run_info()
+    if "error" not in info:
+        assert isinstance(info["config"], dict)
+        assert info["started"] is None or isinstance(info["started"], float)
+        assert info["job_id"] is None or isinstance(info["job_id"], str)
+        json.dumps(info)
+
+
+@FUZZ
+@given(obj=mutated({"alarm_id": "a1", "resumed_from_step": 5, "quarantined": [], "time": 1.0}))
+def test_odd_handled_records_give_no_traceback(tmp_path: Path, obj: dict[str, Any]) -> None:
+    rd = RunDir(tmp_path / "run")
+    rd.handled_dir.mkdir(parents=True, exist_ok=True)
+    (rd.handled_dir / "a1.json").write_bytes(_dump(obj))
+    (rd.handled_dir / "a2.json").write_text(json.dumps({"time": "yesterday", "quarantined": 7}))
+    for r in rd.resumes():
+        assert r["time"] is None or isinstance(r["time"], float)
+        assert all(isinstance(q, str) for q in r["quarantined"])
+        json.dumps(r)
+
+
 # --------------------------------------------------------------------------- real cluster
 
 

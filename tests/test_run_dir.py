@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,154 @@ def test_trust_limit_requires_that_many_passing_replays_after_the_checkpoint() -
     ckpts = [meta(5), meta(10)]
     chosen = choose_trusted_checkpoint(ckpts, alarm(last_verified_step=10), [0, 5, 10], 2)
     assert chosen == ckpts[0]
+
+
+# --------------------------------------------------------------------------- fail-safe run dir
+
+
+def test_alarm_ids_differ_between_attempts_of_the_same_job_restart_and_step() -> None:
+    from slurm_guard.records import make_alarm_id, new_attempt_id
+
+    attempts = {new_attempt_id() for _ in range(1000)}
+    assert len(attempts) == 1000
+    ids = {make_alarm_id(None, 0, a, 10, "replay") for a in list(attempts)[:2]}
+    assert len(ids) == 2
+    for alarm_id in ids:
+        assert alarm_id.startswith("joblocal-r0-a") and alarm_id.endswith("-step10-replay")
+        parse_alarm(alarm(alarm_id=alarm_id).to_json())  # a valid id for every reader
+
+
+@pytest.mark.parametrize(("umask", "mode"), [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_records_get_the_process_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    """mkstemp made every record 0600: a controller running as SlurmUser could not read it."""
+    old = os.umask(umask)
+    try:
+        path = RunDir(tmp_path).write_alarm(alarm())
+        append_ledger(tmp_path / "ledger.jsonl", LedgerEntry(0, "replay", True, {}, 0))
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == mode
+    assert (tmp_path / "ledger.jsonl").stat().st_mode & 0o777 == mode
+
+
+def test_lost_alarm_marks_round_trip(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    rd.mark_lost_alarm("joblocal-r0-aabc-step10-replay", 5)
+    rd.mark_lost_alarm("job7-r1-adef-step3-vote", None)
+    got = sorted((a.alarm_id, a.trust_upto) for a in rd.lost_alarms())
+    assert got == [("job7-r1-adef-step3-vote", None), ("joblocal-r0-aabc-step10-replay", 5)]
+
+
+def test_lock_staleness_rule() -> None:
+    from slurm_guard.rundir import STALE_AFTER_S, LockHolder, stale_reason
+
+    me = LockHolder("7", 2, "aaaa", "hostA", os.getpid())
+    sleeper = subprocess.Popen(["sleep", "60"])
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    try:
+        alive_here = LockHolder("8", 0, "b", "hostA", sleeper.pid)
+        assert stale_reason(alive_here, 0.0, me) is None
+        assert stale_reason(alive_here, STALE_AFTER_S + 1, me) is not None  # no heartbeat
+        assert "exited" in str(stale_reason(LockHolder("8", 0, "b", "hostA", dead.pid), 0, me))
+        assert "this process" in str(stale_reason(LockHolder(None, 0, "b", "hostA", me.pid), 0, me))
+        # an earlier incarnation of this very job, on another node: Slurm ended it
+        assert stale_reason(LockHolder("7", 1, "b", "hostB", 1), 0.0, me) is not None
+        # the same incarnation (a second srun in the allocation) or another job: heartbeat
+        assert stale_reason(LockHolder("7", 2, "b", "hostB", 1), 0.0, me) is None
+        assert stale_reason(LockHolder("9", 5, "b", "hostB", 1), 0.0, me) is None
+        assert stale_reason(None, 0.0, me) is None  # unreadable lock: judged by heartbeat
+        assert stale_reason(None, STALE_AFTER_S + 1, me) is not None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import socket
+
+    from slurm_guard.rundir import RunDirError, RunLock
+
+    rd = RunDir(tmp_path)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        holder = {"job_id": "5", "restart_count": 0, "attempt": "x", "host": socket.gethostname()}
+        rd.lock_file.write_text(json.dumps({**holder, "pid": sleeper.pid}))
+        with pytest.raises(RunDirError, match="in use by job 5"):
+            RunLock.acquire(rd, job_id="6", restart_count=0, attempt="mine")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    with caplog.at_level("WARNING", logger="slurm_guard.rundir"):
+        lock = RunLock.acquire(rd, job_id="6", restart_count=0, attempt="mine")
+    assert "taking over the lock" in caplog.text and "has exited" in caplog.text
+    assert lock.held() and json.loads(rd.lock_file.read_text())["attempt"] == "mine"
+    lock.release()
+    assert not rd.lock_file.exists()
+
+
+def test_identity_is_created_once_and_a_lost_one_is_refused(tmp_path: Path) -> None:
+    from slurm_guard.records import atomic_write_json
+    from slurm_guard.rundir import RunDirError, establish_identity
+
+    rd = RunDir(tmp_path)
+    first = establish_identity(rd, job_id=None, fresh=False)
+    assert establish_identity(rd, job_id="3", fresh=False) == first
+    atomic_write_json(rd.run_file, {"run_id": first})
+    rd.identity_file.unlink()
+    with pytest.raises(RunDirError, match=r"identity\.json is gone"):
+        establish_identity(rd, job_id=None, fresh=False)
+    second = establish_identity(rd, job_id=None, fresh=True)
+    assert second != first
+    with pytest.raises(RunDirError, match="two runs"):
+        establish_identity(rd, job_id=None, fresh=False)  # run.json still names the first
+    rd.identity_file.write_bytes(b"{")
+    with pytest.raises(RunDirError, match="cannot be read"):
+        establish_identity(rd, job_id=None, fresh=False)
+
+
+def test_staging_dirs_are_per_attempt_and_stale_ones_are_removed(tmp_path: Path) -> None:
+    from slurm_guard.checkpoint import staging_dir
+
+    rd = RunDir(tmp_path)
+    rd.ensure()
+    a, b = staging_dir(rd, 10, 0, "aaaa"), staging_dir(rd, 10, 0, "bbbb")
+    assert a != b
+    a.mkdir()
+    (a / "meta.json").write_text("{}")
+    rd.checkpoint_path(5).mkdir()
+    assert rd.remove_stale_staging() == [a.name]
+    assert sorted(p.name for p in rd.checkpoints_dir.iterdir()) == ["step-00000005"]
+
+
+def test_resume_plan_fails_closed_and_honours_lost_alarms(tmp_path: Path) -> None:
+    from slurm_guard.recovery import plan_resume
+    from slurm_guard.rundir import RunDirError
+
+    rd = RunDir(tmp_path)
+    rd.ensure()
+    for step in (5, 10):
+        rd.checkpoint_path(step).mkdir()
+        meta_json = {**meta(step).__dict__, "files": {}}
+        (rd.checkpoint_path(step) / "meta.json").write_text(json.dumps(meta_json))
+    assert [m.step for m in plan_resume(rd).candidates] == [10, 5]
+    rd.mark_lost_alarm("lost1", 5)
+    assert [m.step for m in plan_resume(rd).candidates] == [5]
+    rd.mark_handled("lost1", {})
+    (rd.alarms_dir / "bad.json").write_bytes(b"{")
+    with pytest.raises(RunDirError, match="SLURM_GUARD_RESUME=fresh"):
+        plan_resume(rd)
+    plan = plan_resume(rd, fresh=True)
+    assert plan.candidates == [] and plan.pending_alarms == ["bad"]
+    rd.mark_handled("bad", {})  # what the fresh start records
+    assert [m.step for m in plan_resume(rd).candidates] == [10, 5]
+
+
+def test_a_checkpoint_meta_for_another_step_is_damaged(tmp_path: Path) -> None:
+    rd = RunDir(tmp_path)
+    rd.checkpoint_path(10).mkdir(parents=True)
+    (rd.checkpoint_path(10) / "meta.json").write_text(json.dumps(meta(20).__dict__))
+    scan = rd.scan_checkpoints()
+    assert scan.metas == [] and "not 10" in scan.damaged[10]
