@@ -8,8 +8,15 @@ Part 2 (tolerance mode): deterministic=False with a `replay-noise` fault on EVER
 Gaussian noise of size `--noise` on every replayed gradient: stands in for non-deterministic
 kernels); the tolerance is calibrated from the first replays. Zero alarms expected.
 
+Part 3 (checked GEMMs, `--abft`): one process, no guard, fp32 on the CPU: TinyGPT and the
+HuggingFace GPT-2 tiny config (a local GPT-2-shaped model with the same Conv1D layers when
+transformers is not installed) train with AdamW and four microbatches per step, every GEMM
+checked (`slurm_guard.abft`). Counts the checked GEMMs and the largest normalised residual
+(residual / bound; a false alarm is > 1). Zero failed checks expected.
+
     python benchmarks/soak.py --quick                  # 2 x 300 steps, ~2 min
     python benchmarks/soak.py                          # >= 20,000 comparisons + >= 1,000 replays
+    python benchmarks/soak.py --abft-only              # >= 1,000,000 checked GEMMs, ~10 min
 """
 
 from __future__ import annotations
@@ -73,6 +80,120 @@ def run_part(
     return out
 
 
+def _gpt2_tiny() -> tuple[Any, str]:
+    """HF GPT-2 with a tiny config (transformers' own model), or None when not installed."""
+    try:
+        import transformers
+    except ImportError:
+        return None, "transformers not installed"
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, n_positions=32, vocab_size=96, attn_implementation="eager"
+    )
+    return transformers.GPT2LMHeadModel(config), f"transformers {transformers.__version__}"
+
+
+def abft_part(name: str, gemms: int, seed: int) -> dict[str, Any]:
+    """Train until `gemms` checked GEMMs have run; every check's ratio must stay below 1."""
+    import torch
+
+    from slurm_guard.abft import attach
+    from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    cfg = TinyGPTConfig()
+    if name == "tiny_gpt":
+        model: Any = TinyGPT(cfg)
+        source = f"TinyGPT {cfg}"
+
+        def loss(batch: dict[str, Any]) -> Any:
+            return lm_loss(model, batch)
+
+        def batch_at(step: int, micro: int) -> dict[str, Any]:
+            return make_batch(step, micro, cfg, batch_size=4)
+    else:
+        model, source = _gpt2_tiny()
+        if model is None:
+            return {"part": f"abft {name}", "skipped": source}
+
+        def loss(batch: dict[str, Any]) -> Any:
+            return model(input_ids=batch["ids"], labels=batch["ids"]).loss
+
+        def batch_at(step: int, micro: int) -> dict[str, Any]:
+            gen = torch.Generator().manual_seed(step * 7919 + micro)
+            return {"ids": torch.randint(0, 96, (2, 32), generator=gen)}
+
+    handle = attach(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    counted = failed = steps = 0
+    worst = 0.0
+    per_pass = [0.0, 0.0, 0.0]
+    began = time.monotonic()
+    while counted < gemms:
+        opt.zero_grad(set_to_none=True)
+        for micro in range(4):
+            loss(batch_at(steps, micro)).backward()
+        counted += sum(len(s.results) for s in handle.sites)
+        result = handle.collect()
+        assert result is not None
+        values = result.tolist()  # once per step
+        for row in values:
+            for which, ratio in enumerate(row):
+                if ratio != -1.0:
+                    per_pass[which] = max(per_pass[which], ratio)
+                    failed += not ratio <= 1.0
+        worst = max(worst, max(max(r) for r in values))
+        opt.step()
+        steps += 1
+    return {
+        "part": f"abft {name}",
+        "model": source,
+        "steps": steps,
+        "microbatches_per_step": 4,
+        "checked_gemms": counted,
+        "failed_checks": failed,
+        "max_normalised_residual": worst,
+        "max_by_pass": dict(zip(("fwd", "grad_x", "grad_w"), per_pass, strict=True)),
+        "threshold": 1.0,
+        "margin": handle.sites[0].margin,
+        "block": handle.sites[0].block,
+        "seconds": time.monotonic() - began,
+    }
+
+
+def main_abft(gemms: int, out: Path | None, which: str) -> int:
+    """Both models share `gemms` (60/40), or one model runs all of them (run the two as two
+    processes on two cores and add the counts)."""
+    if which == "both":
+        parts = [
+            abft_part("tiny_gpt", gemms * 6 // 10, 0),
+            abft_part("gpt2_tiny", gemms * 4 // 10, 1),
+        ]
+    else:
+        parts = [abft_part(which, gemms, 0 if which == "tiny_gpt" else 1)]
+    headers = ["part", "steps", "checked GEMMs", "failed", "max residual/bound", "seconds"]
+    rows = [
+        [
+            p["part"],
+            p.get("steps", "-"),
+            p.get("checked_gemms", "-"),
+            p.get("failed_checks", "-"),
+            f"{p['max_normalised_residual']:.2e}" if "max_normalised_residual" in p else "-",
+            round(p.get("seconds", 0)),
+        ]
+        for p in parts
+    ]
+    print(table(headers, rows))
+    total = sum(p.get("checked_gemms", 0) for p in parts)
+    print(f"\n{total:,} checked GEMMs, {sum(p.get('failed_checks', 0) for p in parts)} failed")
+    path = out or RESULTS / f"soak_abft_{which}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": environment(), "checked_gemms": total, "parts": parts}
+    path.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"JSON: {path}", file=sys.stderr)
+    return 1 if any(p.get("failed_checks") for p in parts) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -81,7 +202,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise-steps", type=int, default=None, help="default 1000")
     parser.add_argument("--noise", type=float, default=1e-5)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--abft-only", action="store_true", help="only the checked-GEMM soak (part 3)"
+    )
+    parser.add_argument("--abft-gemms", type=int, default=1_000_000)
+    parser.add_argument("--abft-model", choices=["both", "tiny_gpt", "gpt2_tiny"], default="both")
     args = parser.parse_args(argv)
+    if args.abft_only:
+        return main_abft(args.abft_gemms, args.json, args.abft_model)
     steps = args.steps or (300 if args.quick else 5000)
     noise_steps = args.noise_steps or (300 if args.quick else 1000)
     parts = []

@@ -27,6 +27,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from slurm_guard import checkpoint as ckpt
+from slurm_guard.abft import Abft, measure_coverage
+from slurm_guard.abft import attach as attach_abft
 from slurm_guard.collective import Collective, RankFailed
 from slurm_guard.config import GuardConfig
 from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
@@ -172,6 +174,13 @@ class Guard:
         )
         self.faults = faults
         self.injector = FaultInjector(faults, self.rank, me.node, self.module)
+        # Checked GEMMs: after the injector, whose gemm faults wrap the same layers unchecked.
+        self.abft: Abft | None = None
+        self.abft_coverage: dict[str, object] | None = None  # measured in the settling pass
+        if self.config.abft:
+            config = self.config
+            self.abft = attach_abft(self.module, margin=config.abft_margin, block=config.abft_block)
+            self.abft.set_suspended(is_replaying)  # a replay judges another rank's step
         announce_faults(faults, self.topology, self.rank, len(faults) - len(self.config.faults))
         self.hook = HookState(
             group=self.group,
@@ -194,6 +203,7 @@ class Guard:
             ledger=self._ledger,
             params=self.params,
             scaler_active=scaler is not None,
+            abft=self.abft,
         )
         self._buffer_fingerprint: torch.Tensor | None = None
         self._snapshot_due = False
@@ -208,6 +218,7 @@ class Guard:
         self._settled = not self.config.settle_buckets
         self._voted_at = -1  # step_count right after the last clean vote
         unwritten = None
+        self._started = time.time()
         if self.rank == 0:
             try:
                 self._write_run_file()
@@ -318,7 +329,9 @@ class Guard:
                 "config": self.config.summary(),
                 # every fault this run injects, from GuardConfig.faults and SLURM_GUARD_INJECT
                 "injected_faults": [f.describe() for f in self.faults],
-                "started": time.time(),
+                # share of the model's matmul FLOPs the checked GEMMs cover (abft=True)
+                "abft_coverage": self.abft_coverage,
+                "started": self._started,
             },
         )
 
@@ -335,11 +348,22 @@ class Guard:
         self.hook.active = False
         try:
             with preserved_state(self.module):
-                self._scaled(self._loss(first)).backward()  # type: ignore[no-untyped-call]
+                if self.abft is None:
+                    self._scaled(self._loss(first)).backward()  # type: ignore[no-untyped-call]
+                else:  # the same pass, counted: which share of the matmul FLOPs is checked
+                    coverage = measure_coverage(
+                        self.module, lambda: self._scaled(self._loss(first))
+                    )
+                    self.abft_coverage = coverage.as_dict()
         finally:
             self.hook.active = True
             self.optimizer.zero_grad(set_to_none=True)
         self._settled = True
+        if self.abft_coverage is not None and self.rank == 0:
+            try:
+                self._write_run_file()  # run.json now says what the checks cover
+            except OSError:
+                logger.exception("could not record the checked-GEMM coverage in run.json")
 
     def _loss(self, batch: Any) -> torch.Tensor:
         loss = self.loss_fn(self.ddp, batch)
@@ -364,6 +388,8 @@ class Guard:
         self.comm.arrive(f"step {step}")
         if not self._settled:
             self._settle_buckets(batch)
+        if self.abft is not None:
+            self.abft.reset()
         self.injector.step = step
         verify = self.config.is_replay_step(step, self.fingerprinter.seed) and self.world_size > 1
         captured = capture(batch)

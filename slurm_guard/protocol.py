@@ -57,6 +57,7 @@ class Check(str, Enum):
     VOTE = "vote"
     CONSERVATION = "conservation"
     REDUCED_CONSISTENCY = "reduced_consistency"
+    ABFT = "abft"
 
     def __str__(self) -> str:
         return str(self.value)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slurm_guard.abft import Abft
 from slurm_guard.collective import Collective, RankFailed
 from slurm_guard.config import GuardConfig
 from slurm_guard.fingerprint import Fingerprinter, as_int
@@ -55,8 +56,10 @@ logger = logging.getLogger(__name__)
     REDUCED_SKETCH,
     REDUCED_GRAD,
     REPLAY_FAILED,
-) = range(13)
-ROW = 13
+    ABFT_RATIO,
+    ABFT_WHERE,
+) = range(15)
+ROW = 15
 
 ReplayFn = Callable[[Captured], ReplayOutput]
 """Recompute a captured step on this rank (the Guard binds module, loss_fn, scaler, faults)."""
@@ -142,6 +145,7 @@ class Verifier:
         ledger: records each verification result.
         params: the guarded parameters, in the hook's order.
         scaler_active: a GradScaler steps the optimizer (its overflows are expected).
+        abft: the model's checked GEMMs (GuardConfig(abft=True)), or None.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class Verifier:
         ledger: LedgerFn,
         params: Sequence[torch.nn.Parameter],
         scaler_active: bool = False,
+        abft: Abft | None = None,
     ) -> None:
         self.comm = comm
         self.topology = topology
@@ -166,6 +171,7 @@ class Verifier:
         self.ledger = ledger
         self.params = list(params)
         self.scaler_active = scaler_active
+        self.abft = abft
         self.calibration: list[float] = []  # worst discrepancy of each calibration step
 
     @property
@@ -295,6 +301,11 @@ class Verifier:
             replayed = self._replay(received[owner], key)
         middle = [own_grad, owner, replayed.loss, replayed.grad, int(replayed.nonfinite)]
         tail = [reduced_grad, int(replayed.failed)]
+        # checked GEMMs: [largest residual/bound, where] of this rank's step, still on device
+        abft = self.abft.summary(self.abft.collect()) if self.abft is not None else None
+        if abft is None:
+            abft = torch.tensor([0.0, -1.0], dtype=torch.float64)
+        abft = abft.to(device)
         row = torch.cat(
             [
                 flags,
@@ -304,6 +315,8 @@ class Verifier:
                 _bits(local_l1),
                 _bits(reduced_sketch),
                 torch.tensor(tail, dtype=torch.int64, device=device),
+                _bits(abft[0]),
+                abft[1:].to(torch.int64),
             ]
         )
         # On a verification step the replay (user code) ran since the step's own arrival check.
@@ -324,6 +337,11 @@ class Verifier:
             if reduced is not None:
                 self.ledger(step, Check.FINITE_REDUCED, False, {"verdict": reduced.verdict})
                 return self._numerical_outcome(step, reduced)
+        if self.abft is not None:
+            gemm = self._judge_abft(step, rows, captured)
+            if gemm is not None:
+                return StepResult(gemm, True)
+        if config.finite_check:
             reduction = self._judge_reduction(rows, verify)
             if reduction is not None:
                 return StepResult(reduction, True)
@@ -342,6 +360,51 @@ class Verifier:
                 self.calibration.append(worst)
         self.ledger(step, Check.REPLAY, True, detail)
         return StepResult(None, False, verified=True)
+
+    def _judge_abft(self, step: int, rows: list[list[int]], captured: Captured) -> Finding | None:
+        """A checked GEMM over its rounding bound is a local, attributable fault: this rank.
+
+        Judged after the finite checks, so a non-finite value (a bad sample, an overflow) keeps
+        its replay triage. Where another node can replay the failing rank's microbatch it does:
+        a different loss there confirms that this rank's forward result was wrong; an equal loss
+        means the wrong value was in a backward GEMM (or did not reach the loss), and the
+        residual is the evidence. Every rank over its bound is a suspect; all of them failing
+        (world > 1) points at the bound or a shared input, not one GPU: ambiguous.
+        """
+        assert self.abft is not None
+        ratios = [bits_to_float(r[ABFT_RATIO]) for r in rows]
+        failing = [rank for rank, ratio in enumerate(ratios) if not ratio <= 1.0]
+        if not failing:
+            return None
+        replayer = self.topology.replayer
+        pairs = [(o, replayer[o]) for o in failing if replayer[o] != o]
+        extra = self.replay_round(step, pairs, captured, "abft confirmation") if pairs else {}
+        per_rank: dict[str, object] = {}
+        confirmed: list[bool] = []
+        for o in failing:
+            layer, gemm_pass = self.abft.where(rows[o][ABFT_WHERE])
+            detail: dict[str, object] = {"layer": layer, "pass": gemm_pass, "ratio": ratios[o]}
+            if o in extra:
+                differs = extra[o][0] != rows[o][OWN_LOSS]
+                detail.update(replayed_on=replayer[o], replay_loss_differs=differs)
+                confirmed.append(differs)
+            per_rank[str(o)] = detail
+        everyone = len(failing) == self.world_size and self.world_size > 1
+        verdict = Verdict.AMBIGUOUS if everyone else Verdict.SDC
+        first = per_rank[str(failing[0])]
+        assert isinstance(first, dict)
+        evidence: dict[str, object] = {
+            "ranks": per_rank,
+            "layer": first["layer"],
+            "pass": first["pass"],
+            "replay_confirmed": (all(confirmed) if confirmed else None),
+        }
+        message = (
+            f"checked GEMM over its rounding bound on rank(s) {failing}: "
+            f"{first['layer']} {first['pass']}, residual {first['ratio']:.3g} x the bound"
+        )
+        self.ledger(step, Check.ABFT, False, {"verdict": verdict, **evidence})
+        return Finding(Check.ABFT, verdict, tuple(failing), message, evidence)
 
     def _judge_reduction(self, rows: list[list[int]], verify: bool) -> Finding | None:
         l1 = [bits_to_float(r[LOCAL_L1]) for r in rows]

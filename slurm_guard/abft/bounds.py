@@ -162,13 +162,10 @@ def residual_bound(
     ) * scale
     if uniform and out_sq is None:  # the common case in two fused kernels
         v = torch.add(a_sq, s_sq, alpha=k3 / k1)
-        base = floor if bias_sq is None else bias_sq.mul(k24).add_(floor)
-        return (
-            torch.addr(base, v, m_sq, alpha=k1)
-            if bias_sq is not None
-            else torch.outer(v, m_sq).mul_(k1).add_(floor)
-        )
-    terms = (k1 * a_sq[:, None] + k3 * s_sq[:, None]) * m_sq[None, :]
+        if bias_sq is None:
+            return torch.outer(v, m_sq).mul_(k1).add_(floor)
+        return torch.addr(bias_sq.mul(k24).add_(floor), v, m_sq, alpha=k1)
+    terms: torch.Tensor = (k1 * a_sq[:, None] + k3 * s_sq[:, None]) * m_sq[None, :]
     if bias_sq is not None:
         terms = terms + k24 * bias_sq[None, :]
     if out_sq is not None:
