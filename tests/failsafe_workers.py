@@ -19,7 +19,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from workers import SMALL
 
 import slurm_guard as sg
-from slurm_guard.collective import Collective, check_devices
+
+# slurm_guard.collective is imported where used, so that the hang scenarios also run against
+# the code before it existed (to show that they hung there)
 from slurm_guard.examples.tiny_gpt import TinyGPT, lm_loss, make_batch
 from slurm_guard.records import read_json_file
 
@@ -101,14 +103,21 @@ def rank_that_sleeps(run_dir: str, sleeper: int, seconds: float, watchdog: float
     """Rank `sleeper` stalls before step 3 (a stuck data loader) for longer than the watchdog."""
     rank = dist.get_rank()
 
+    stalled_at: list[float] = []
+
     def run() -> None:
         guard = _guard(run_dir, sg.GuardConfig(watchdog_seconds=watchdog))
         for step in range(6):
-            if step == 3 and rank == sleeper:
-                time.sleep(seconds)
+            if step == 3:
+                stalled_at.append(time.monotonic())
+                if rank == sleeper:
+                    time.sleep(seconds)
             guard.step(make_batch(step, rank, SMALL))
 
-    return _outcome(run)
+    out = _outcome(run)
+    # seconds from reaching step 3 to the error (the sleeper: its sleep included)
+    out["waited"] = time.monotonic() - stalled_at[0] if stalled_at else None
+    return out
 
 
 def replay_that_raises(run_dir: str, bad_rank: int) -> dict[str, Any]:
@@ -130,6 +139,8 @@ def replay_that_raises(run_dir: str, bad_rank: int) -> dict[str, Any]:
 
 def agree_on_failure(failing_rank: int) -> dict[str, Any]:
     """collective.agree around work that raises on one rank only."""
+    from slurm_guard.collective import Collective
+
     comm = Collective(None, f"node{dist.get_rank() + 1}", watchdog_seconds=30)
 
     def work() -> int:
@@ -165,6 +176,8 @@ def checked_devices(run_dir: str, declared: str) -> dict[str, Any]:
     Returns the collective's host reads per step, so that the test sees one device-to-host copy
     per round.
     """
+    from slurm_guard.collective import check_devices
+
     rank = dist.get_rank()
 
     def run() -> dict[str, Any]:
