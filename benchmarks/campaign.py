@@ -24,8 +24,18 @@ Expectations (checked, violations listed at the end and the exit code is 1):
 One-off faults on unverified steps whose wrong update reaches every replica identically are the
 documented blind spot (docs/coverage.md): they are classified `blind spot (expected)`, not hidden.
 
+Checked GEMMs (`--abft`): the same matrix with `GuardConfig(abft=True)` (`--abft --only
+'one-off @ 7'` re-runs the one-off faults on unverified steps that replay cannot see). `--gemm N`
+instead runs N one-off `gemm` faults (random rank, layer, pass, element, unverified step; a
+relative error of 1e-3..1e1 or a flip of an exponent or mantissa bit) under abft=True on 4
+nodes. Per fault the harness records the error injected and the check's bound at that element
+(`Site.probe`); expectation E5: every fault above 1.1 x its bound (the residual is the error
+plus the clean rounding residual, a few percent of the bound) is detected on its own step, by
+the `abft` check, on the right node.
+
     python benchmarks/campaign.py --quick        # ~40 cells, ~4 min on 2 shared cores
     python benchmarks/campaign.py                # >= 200 cells, ~8-10 min on 2 shared cores
+    python benchmarks/campaign.py --gemm 80      # 80 gemm faults, ~4 min
 """
 
 from __future__ import annotations
@@ -206,8 +216,204 @@ def campaign_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+GEMM_STEPS = 10  # replays at 0 and 5 only; gemm faults land on the steps in between
+
+
+def _recorder(fault: sg.Fault, site: Any, which: int, inject: Any, record: dict[str, Any]) -> Any:
+    """Wraps the fault's injector: the error it put in, and arms the bound probe for it."""
+
+    def recording(t: torch.Tensor) -> None:
+        flat = t.view(-1)
+        i = fault.element % flat.numel()
+        before = float(flat[i])
+        inject(t)
+        if "delta" not in record and float(flat[i]) != before:
+            record.update(delta=float(flat[i]) - before, shape=tuple(t.shape), i=i)
+            site.probe = {"which": which}
+
+    return recording
+
+
+def gemm_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Runs on every rank: each scenario a fresh guarded training with one gemm fault; the
+    faulty rank records the error it injected and the check's bound at that element."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from slurm_guard.abft.checked import PASSES
+    from slurm_guard.abft.wrap import ATTR
+    from slurm_guard.examples.tiny_gpt import TinyGPT, lm_loss, make_batch
+
+    rank = dist.get_rank()
+    out: list[dict[str, Any]] = []
+    for sc in scenarios:
+        fault: sg.Fault = sc["fault"]
+        torch.manual_seed(0)
+        model = TinyGPT(SMALL)
+        ddp = DDP(model)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+        config = sg.GuardConfig(replay_every=5, vote_every=5, abft=True, faults=(fault,))
+        result: dict[str, Any] = {"alarm": None}
+        record: dict[str, Any] = {}
+        site = None
+        try:
+            guard = sg.Guard(ddp, opt, lm_loss, sc["run_dir"], config=config)
+            handle = getattr(model, ATTR)
+            site = handle.sites[fault.layer % len(handle.sites)]
+            which = PASSES.index(fault.gemm_pass)
+            if fault.rank == rank:
+                (inject,) = site.injectors[which]
+                recording = _recorder(fault, site, which, inject, record)
+                site.injectors[which] = [recording]
+            for step in range(GEMM_STEPS):
+                guard.step(make_batch(step, rank, SMALL))
+        except sg.SilentDataCorruption as exc:
+            result["alarm"] = exc.alarm.to_json()
+        except Exception as exc:  # one broken cell must not hide the others
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        if fault.rank == rank and "delta" in record and site is not None:
+            cols = record["shape"][1]
+            row, col = divmod(record["i"], cols)
+            bound2 = site.probe["bound2"] if site.probe else None
+            if bound2 is not None:
+                block = min(row // site.block, bound2.shape[0] - 1)
+                result["bound"] = float(bound2[block, col].sqrt())
+            result["delta"] = record["delta"]
+            result["site"] = site.name
+        out.append(result)
+        dist.barrier()
+    return out
+
+
+def gemm_campaign(count: int, seed: int, base: Path) -> list[dict[str, Any]]:
+    """`count` random one-off gemm faults on unverified steps, 4 nodes, scored per E5."""
+    import random
+
+    nodes = TOPOLOGIES["4 nodes"]
+    rnd = random.Random(seed)
+    cells = []
+    for n in range(count):
+        onset = rnd.choice([s for s in range(1, GEMM_STEPS) if s % 5])
+        how: dict[str, Any]
+        if rnd.random() < 0.5:
+            size = 10 ** rnd.uniform(-3, 1) * rnd.choice([-1, 1])
+            how, label = {"factor": size}, f"x(1{size:+.2g})"
+        else:
+            bit = rnd.choice(list(range(23, 31)) + list(range(0, 23)))
+            kind = "exponent" if bit >= 23 else "mantissa"
+            how, label = {"flip": True, "bit": bit}, f"{kind} bit {bit}"
+        fault = sg.Fault(
+            "gemm",
+            step=onset,
+            rank=rnd.randrange(len(nodes)),
+            layer=rnd.randrange(5),
+            gemm_pass=rnd.choice(["fwd", "grad_x", "grad_w"]),
+            element=rnd.randrange(1 << 20),
+            **how,
+        )
+        run_dir = base / "gemm" / f"cell{n:03d}"
+        run_dir.mkdir(parents=True)
+        cells.append({"fault": fault, "label": label, "run_dir": str(run_dir)})
+    outcomes = run_local(gemm_worker, len(nodes), args=(cells,), nodes=nodes, timeout=3600.0)
+    lost = [o for o in outcomes if o.status != "ok"]
+    if lost:
+        raise SystemExit(f"gemm: ranks failed: {[(o.rank, o.status, o.value) for o in lost]}")
+    scored = []
+    for n, cell in enumerate(cells):
+        fault = cell["fault"]
+        per_rank = [o.value[n] for o in outcomes]
+        mine = per_rank[fault.rank]
+        alarm = per_rank[0]["alarm"]
+        delta, bound = mine.get("delta"), mine.get("bound")
+        res: dict[str, Any] = {
+            "fault": fault.describe(),
+            "size": cell["label"],
+            "site": mine.get("site"),
+            "delta": delta,
+            "bound": bound,
+            # the residual is the error plus clean rounding (a few % of the bound: soak.py),
+            # so detection is guaranteed from 1.1 x the bound on
+            "above_bound": None
+            if delta is None or bound is None
+            else not abs(delta) <= 1.1 * bound,
+            "detected": alarm is not None,
+            "violations": [],
+        }
+        if "error" in mine or "error" in per_rank[0]:
+            res["violations"].append(f"error: {mine.get('error') or per_rank[0].get('error')}")
+        if alarm is not None:
+            res.update(
+                alarm_step=alarm["step"],
+                check=alarm["check"],
+                verdict=alarm["verdict"],
+                suspect_nodes=alarm["suspect_nodes"],
+                ratio=alarm["evidence"].get("ranks", {}).get(str(fault.rank), {}).get("ratio"),
+                replay_confirmed=alarm["evidence"].get("replay_confirmed"),
+            )
+            right = (
+                alarm["step"] == fault.step
+                and alarm["check"] == "abft"
+                and alarm["verdict"] == "sdc"
+                and alarm["suspect_nodes"] == [nodes[fault.rank]]
+            )
+            res["right"] = right
+            if not right:
+                res["violations"].append(
+                    f"E5: alarm {alarm['check']}/{alarm['verdict']} at step {alarm['step']} on "
+                    f"{alarm['suspect_nodes']}, fault on {nodes[fault.rank]} at {fault.step}"
+                )
+        elif res["above_bound"]:
+            res["violations"].append(f"E5: |delta| {abs(delta):.3g} > bound {bound:.3g}, missed")
+        scored.append(res)
+    return scored
+
+
+def report_gemm(scored: list[dict[str, Any]], out: Path) -> int:
+    above = [r for r in scored if r["above_bound"]]
+    below = [r for r in scored if r["above_bound"] is False]
+    no_effect = [r for r in scored if r["delta"] is None]
+    rows = [
+        [
+            r["fault"],
+            r["size"],
+            r["site"] or "-",
+            f"{r['delta']:.3g}" if r["delta"] is not None else "no change",
+            f"{r['bound']:.3g}" if r["bound"] is not None else "-",
+            "yes" if r["above_bound"] else "no",
+            "yes" if r["detected"] else "no",
+            f"{r['ratio']:.3g}" if r.get("ratio") is not None else "-",
+            {True: "right", False: "WRONG"}.get(r.get("right"), "-"),  # type: ignore[arg-type]
+        ]
+        for r in scored
+    ]
+    headers = ["fault", "size", "layer", "error", "bound", "above", "caught", "ratio", "attrib."]
+    print(table(headers, rows))
+    summary = {
+        "faults": len(scored),
+        "above_bound": len(above),
+        "above_bound_caught_on_step_right_node": sum(1 for r in above if r.get("right")),
+        "below_bound": len(below),
+        "below_bound_caught": sum(1 for r in below if r["detected"]),
+        "no_change": len(no_effect),
+        "wrong_attributions": sum(1 for r in scored if r.get("right") is False),
+        "violations": [v for r in scored for v in r["violations"]],
+    }
+    print()
+    for key, value in summary.items():
+        if key != "violations":
+            print(f"- {key}: {value}")
+    print(f"- violations: {len(summary['violations'])}")
+    for v in summary["violations"]:
+        print(f"  - {v}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"environment": environment(), "summary": summary, "cells": scored}
+    out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    print(f"\nJSON: {out}", file=sys.stderr)
+    return 1 if summary["violations"] else 0
+
+
 def scenario(
-    cell: Cell | None, run_dir: str, nodes: list[str], model: TinyGPTConfig
+    cell: Cell | None, run_dir: str, nodes: list[str], model: TinyGPTConfig, abft: bool = False
 ) -> dict[str, Any]:
     faults: tuple[sg.Fault, ...] = ()
     if cell is not None:
@@ -218,7 +424,9 @@ def scenario(
         "steps": STEPS,
         "checkpoint_every": INTERVAL,
         "model": model,
-        "config": sg.GuardConfig(replay_every=INTERVAL, vote_every=INTERVAL, faults=faults),
+        "config": sg.GuardConfig(
+            replay_every=INTERVAL, vote_every=INTERVAL, faults=faults, abft=abft
+        ),
     }
 
 
@@ -320,12 +528,14 @@ def same_checkpoint(a: Path, b: Path) -> bool:
     return True
 
 
-def run_topology(topology: str, cells: list[Cell], base: Path, model: TinyGPTConfig) -> float:
+def run_topology(
+    topology: str, cells: list[Cell], base: Path, model: TinyGPTConfig, abft: bool = False
+) -> float:
     nodes = TOPOLOGIES[topology]
     clean_dir = base / topology.replace(" ", "") / "clean"
     clean_dir.mkdir(parents=True)
-    scenarios = [scenario(None, str(clean_dir), nodes, model)] + [
-        scenario(c, c.run_dir, nodes, model) for c in cells
+    scenarios = [scenario(None, str(clean_dir), nodes, model, abft)] + [
+        scenario(c, c.run_dir, nodes, model, abft) for c in cells
     ]
     began = time.monotonic()
     outcomes = run_local(
@@ -447,8 +657,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="regex on a cell's label '<fault> | <timing> @ <onset> | rank <r>' (reproducers)",
     )
+    parser.add_argument("--abft", action="store_true", help="GuardConfig(abft=True) in every cell")
+    parser.add_argument("--gemm", type=int, default=0, help="run N random gemm faults instead")
+    parser.add_argument("--seed", type=int, default=0, help="--gemm's random seed")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.gemm:
+        with tempfile.TemporaryDirectory(prefix="sg-campaign-") as tmp:
+            scored = gemm_campaign(args.gemm, args.seed, Path(tmp))
+        return report_gemm(scored, args.json or RESULTS / "campaign_gemm.json")
     topologies = args.topology or list(TOPOLOGIES)
     all_cells: list[Cell] = []
     timing: dict[str, float] = {}
@@ -463,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
             if not cells:
                 continue
             print(f"{topology}: {len(cells)} cells ...", file=sys.stderr, flush=True)
-            timing[topology] = run_topology(topology, cells, base, MODELS[args.model])
+            timing[topology] = run_topology(topology, cells, base, MODELS[args.model], args.abft)
             print(f"{topology}: {timing[topology]:.0f} s", file=sys.stderr, flush=True)
             all_cells += cells
     summary = summarize(all_cells)
@@ -488,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
             "steps": STEPS,
             "model": f"TinyGPT {args.model}: {MODELS[args.model]}",
             "quick": args.quick,
+            "abft": args.abft,
         },
         "summary": summary,
         "cells": [
