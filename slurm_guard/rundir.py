@@ -618,13 +618,29 @@ def write_marker(rd: RunDir, attempt: str, rank: int, run_id: str) -> str | None
     return None
 
 
+MARKER_RETRIES_S = (0.5, 1.0, 2.0, 4.0)
+
+
 def markers_seen(rd: RunDir, attempt: str, world_size: int) -> int:
-    """How many of the ranks' markers this rank sees (one directory listing)."""
+    """How many of the ranks' markers this rank sees.
+
+    One directory listing when all is well. A listing can be stale on NFS (directory attribute
+    caching), so a marker it misses is looked up by name, which a client does not answer from
+    an old listing, and, if still missing, again after growing pauses (~7 s in all) before the
+    rank reports it unseen.
+    """
+    directory = rd.markers_dir / attempt
     try:
-        names = set(os.listdir(rd.markers_dir / attempt))
+        names = set(os.listdir(directory))
     except OSError:
-        return 0
-    return sum(1 for r in range(world_size) if f"rank-{r}" in names)
+        names = set()
+    missing = [r for r in range(world_size) if f"rank-{r}" not in names]
+    for pause in (0.0, *MARKER_RETRIES_S):
+        if not missing:
+            break
+        time.sleep(pause)
+        missing = [r for r in missing if not os.path.lexists(directory / f"rank-{r}")]
+    return world_size - len(missing)
 
 
 def markers_problem(seen: list[int], nodes: list[str], root: Path) -> str | None:

@@ -313,3 +313,20 @@ def test_a_checkpoint_meta_for_another_step_is_damaged(tmp_path: Path) -> None:
     (rd.checkpoint_path(10) / "meta.json").write_text(json.dumps(meta(20).__dict__))
     scan = rd.scan_checkpoints()
     assert scan.metas == [] and "not 10" in scan.damaged[10]
+
+
+def test_markers_name_the_ranks_that_do_not_see_every_marker(tmp_path: Path) -> None:
+    from slurm_guard.rundir import markers_problem, markers_seen, prepare_markers, write_marker
+
+    rd = RunDir(tmp_path)
+    prepare_markers(rd, "old")
+    prepare_markers(rd, "att")  # an earlier attempt's markers are removed
+    assert [p.name for p in rd.markers_dir.iterdir()] == ["att"]
+    for rank in (0, 2):
+        assert write_marker(rd, "att", rank, "rid") is None
+    assert markers_seen(rd, "att", 3) == 2
+    assert write_marker(rd, "att", 1, "rid") is None
+    assert markers_seen(rd, "att", 3) == 3
+    assert markers_problem([3, 3, 3], ["a", "b", "c"], tmp_path) is None
+    problem = str(markers_problem([3, 1, 3], ["a", "b", "c"], tmp_path))
+    assert "rank 1 (b) sees 1 of 3" in problem and "not node-local" in problem
