@@ -330,3 +330,26 @@ def test_markers_name_the_ranks_that_do_not_see_every_marker(tmp_path: Path) -> 
     assert markers_problem([3, 3, 3], ["a", "b", "c"], tmp_path) is None
     problem = str(markers_problem([3, 1, 3], ["a", "b", "c"], tmp_path))
     assert "rank 1 (b) sees 1 of 3" in problem and "not node-local" in problem
+
+
+def test_the_controller_decides_every_alarm_of_a_job_id_used_twice(tmp_path: Path) -> None:
+    """A reset slurmctld hands out job 100 again: its new alarm is not skipped as journaled."""
+    from test_controller_unit import FakeSlurm, make_alarm
+
+    from slurm_guard.controller.engine import Engine
+    from slurm_guard.controller.policy import Policy
+    from slurm_guard.controller.state import StateStore
+    from slurm_guard.records import make_alarm_id, new_attempt_id
+
+    slurm = FakeSlurm()
+    slurm.add_job("100", ("node1", "node2", "node3"))
+    store = StateStore(tmp_path / "state")
+    engine = Engine(slurm, store, Policy())  # type: ignore[arg-type]
+    decided = []
+    for run in ("first", "second"):  # two jobs numbered 100, same restart count and step
+        alarm_id = make_alarm_id("100", 0, new_attempt_id(), 340, "replay")
+        RunDir(tmp_path / run).write_alarm(make_alarm(alarm_id=alarm_id))
+        report = engine.process_job("100", tmp_path / run)
+        assert alarm_id in report.decisions, report.decisions
+        decided.append(alarm_id)
+    assert set(store.read().alarms) == set(decided)
