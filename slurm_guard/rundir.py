@@ -775,9 +775,11 @@ class RunLock:
             )
         raise RunDirError(f"could not take the lock {rd.lock_file}: other jobs keep taking it")
 
-    def _read_holder(self) -> tuple[LockHolder | None, float]:
+    def _read_holder(self, *, with_age: bool = True) -> tuple[LockHolder | None, float]:
+        """The holder (None if unreadable) and its heartbeat's age (0 unless `with_age`)."""
         try:
-            age = _fs_now(self.rd.root) - os.lstat(self.rd.lock_file).st_mtime
+            mtime = os.lstat(self.rd.lock_file).st_mtime
+            age = _fs_now(self.rd.root) - mtime if with_age else 0.0
         except FileNotFoundError:
             return None, math.inf
         try:
@@ -795,7 +797,7 @@ class RunLock:
 
     def held(self) -> bool:
         """Whether the lock file still names this attempt (another job may have taken it)."""
-        holder, _ = self._read_holder()
+        holder, _ = self._read_holder(with_age=False)
         return holder is not None and holder.attempt == self.me.attempt
 
     def _start_heartbeat(self) -> None:
