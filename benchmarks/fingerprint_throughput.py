@@ -21,6 +21,7 @@ from _common import median, table, write_json
 
 from slurm_guard import fingerprint_fast as ff
 from slurm_guard.fingerprint import Fingerprinter
+from slurm_guard.kernels import bucket as kb
 from slurm_guard.kernels import sketch as sk
 
 GOAL = 0.80  # fraction of tensor.sum() bandwidth
@@ -46,9 +47,9 @@ def _hook_variants(seed: int, largest: int) -> dict[str, Callable[[torch.Tensor]
         s = (t * signs[: t.numel()]).sum(dtype=torch.float64)
         return s, torch.linalg.vector_norm(t, 1, dtype=torch.float64)
 
-    backend = sk.backend(torch.device("cpu"))
+    backend = kb.backend(torch.device("cpu"))
     return {
-        f"bucket check ({backend})": lambda t: sk.bucket_check(t, words),
+        f"bucket check ({backend})": lambda t: kb.bucket_check(t, words),
         "bucket check before (3 torch passes)": three_passes,
     }
 

@@ -104,6 +104,7 @@ def interpreter_part() -> dict[str, Any]:
 def identity_part(quick: bool) -> dict[str, Any]:
     from slurm_guard import fingerprint_fast as ff
     from slurm_guard.fingerprint import as_int
+    from slurm_guard.kernels import bucket as kb
     from slurm_guard.kernels import sketch as sk
 
     fp = ff.FastFingerprinter(7)
@@ -118,7 +119,7 @@ def identity_part(quick: bool) -> dict[str, Any]:
                 mismatches.append(f"fingerprint n={n} {dtype}")
             if dtype.is_floating_point:
                 cases += 1
-                a, b = sk.bucket_check(t.cuda(), words).cpu(), sk.bucket_check(t, words)
+                a, b = kb.bucket_check(t.cuda(), words).cpu(), kb.bucket_check(t, words)
                 if not torch.equal(a.view(torch.int64), b.view(torch.int64)):
                     mismatches.append(f"bucket check n={n} {dtype}: {a.tolist()} {b.tolist()}")
     return {
@@ -128,7 +129,7 @@ def identity_part(quick: bool) -> dict[str, Any]:
         "fingerprint_backend_cuda": "triton"
         if ff._use_triton(torch.empty(1, device="cuda"))
         else "torch",
-        "bucket_check_backend_cuda": sk.backend(torch.device("cuda")),
+        "bucket_check_backend_cuda": kb.backend(torch.device("cuda")),
     }
 
 
@@ -148,6 +149,7 @@ def _cuda_time(fn: Any, reps: int) -> float:
 
 def bandwidth_part(quick: bool) -> dict[str, Any]:
     from slurm_guard import fingerprint_fast as ff
+    from slurm_guard.kernels import bucket as kb
     from slurm_guard.kernels import sketch as sk
 
     fp = ff.FastFingerprinter(7)
@@ -162,7 +164,7 @@ def bandwidth_part(quick: bool) -> dict[str, Any]:
             "sum": lambda x=x: x.sum(),
             "copy": lambda x=x, y=y: y.copy_(x),
             "fingerprint": lambda x=x: fp.tensor(x),
-            "bucket check": lambda x=x: sk.bucket_check(x, words),
+            "bucket check": lambda x=x: kb.bucket_check(x, words),
         }
         if n <= 10**7:
             variants["bucket check (torch spec)"] = lambda x=x: sk.reference_check(x, words)

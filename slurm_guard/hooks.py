@@ -1,6 +1,6 @@
 """The DDP communication hook: checks on each gradient bucket, in the pass DDP makes anyway.
 
-Per bucket, before the all-reduce, one fused pass (`slurm_guard.kernels.sketch.bucket_check`:
+Per bucket, before the all-reduce, one fused pass (`slurm_guard.kernels.bucket.bucket_check`:
 C on CPU, Triton on CUDA, torch ops elsewhere, all bit-identical) computes in float64 a linear
 sketch s(g) = <g, r> with a random +-1 vector r shared by all ranks (generated from a hash of the
 run's seed and the element index: nothing stored, no temporary), and the bucket's L1 norm:
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # the class DDP compares against
 
 from slurm_guard.fingerprint import Fingerprinter
-from slurm_guard.kernels.sketch import bucket_check, seed_words, sign_bits
+from slurm_guard.kernels.bucket import bucket_check
+from slurm_guard.kernels.sketch import seed_words, sign_bits
 
 PRE_DIVIDED = (torch.float16, torch.bfloat16)  # as DDP's default allreduce hook
 

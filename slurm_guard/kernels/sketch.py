@@ -27,8 +27,9 @@ ceil(log2 N); adding an exact zero is exact, so a leaf meets at most ceil(log2 n
 additions for an n-element bucket (the padded zeros and empty subtrees add none), and
 |S - <x, r>| <= d u64 A (1 + O(u64)), d = bit_length(n) + 1 >= ceil(log2 n) + 1, u64 = 2^-53.
 
-Implementations: `reference_check` (torch ops, any device; the specification), `native_check`
-(`bucket_check.c`, CPU, split over `torch.get_num_threads()` threads by whole chunks) and
+Implementations (`kernels.bucket.bucket_check` picks one): `reference_check` (torch ops, any
+device; the specification), `native_check` (`bucket_check.c`, CPU, split over
+`torch.get_num_threads()` threads by whole chunks) and
 `slurm_guard.kernels.triton_kernels.triton_check` (CUDA, and CPU under TRITON_INTERPRET=1).
 """
 
@@ -49,7 +50,7 @@ MIX_M2 = 0x846CA68B
 C_SOURCE = "bucket_check.c"
 _PARALLEL_MIN_ELEMENTS = 2 << 20  # below this, one thread (pool dispatch costs ~0.1 ms)
 _SEED_TAG = b"slurm-guard sketch signs v1"
-_DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 _MASK32 = 0xFFFFFFFF
 
 
@@ -161,7 +162,7 @@ def native_check(
         data = data.contiguous()
     n = data.numel()
     chunks, padded = padded_chunks(n)
-    dtype = _DTYPES[data.dtype]
+    dtype = DTYPES[data.dtype]
     ptr = data.data_ptr() if n else 0
     out = torch.empty(3, dtype=torch.float64)
     workers = min(threads or torch.get_num_threads(), chunks)
@@ -183,31 +184,3 @@ def native_check(
     if rc != 0:
         raise RuntimeError(f"native bucket-check kernel failed with code {rc}")
     return out
-
-
-def bucket_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
-    """float64 [S, A, nonfinite] of a bucket, on its device, by the fastest implementation here.
-
-    CPU: the C kernel (torch spec when it cannot be built or the dtype is not a float type it
-    reads). CUDA: the Triton kernel when Triton is installed, the torch spec otherwise.
-    """
-    if bucket.dtype in _DTYPES:
-        if bucket.device.type == "cpu":
-            kernel = native()
-            if kernel is not None:
-                return native_check(kernel, bucket, words)
-        elif bucket.is_cuda:
-            from slurm_guard.kernels.triton_kernels import available, triton_check
-
-            if available(bucket.device):
-                return triton_check(bucket, words)
-    return reference_check(bucket, words)
-
-
-def backend(device: torch.device) -> str:
-    """'native', 'triton' or 'torch': what `bucket_check` uses for a float32 bucket there."""
-    if device.type == "cpu":
-        return "native" if native() is not None else "torch"
-    from slurm_guard.kernels.triton_kernels import available
-
-    return "triton" if device.type == "cuda" and available(device) else "torch"

@@ -22,12 +22,23 @@ import torch
 
 from slurm_guard.kernels import sketch as _sketch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the optional `gpu` extra is not installed
-    triton = None
-    tl = None
+triton: Any = None  # imported on first use: importing Triton costs a second or two
+tl: Any = None
+_import_tried = False
+
+
+def _import_triton() -> bool:
+    global triton, tl, _import_tried
+    if not _import_tried:
+        _import_tried = True
+        try:
+            import triton as triton_module
+            import triton.language as language
+        except ImportError:  # the optional `gpu` extra is not installed
+            return False
+        triton, tl = triton_module, language
+    return triton is not None
+
 
 _NH_BLOCKS_PER_PROGRAM = 4
 _FINISH_MAX = 1 << 13  # chunk partials one program trees in registers (a 32M-element bucket)
@@ -40,7 +51,7 @@ def interpreting() -> bool:
 
 def available(device: torch.device | None = None) -> bool:
     """Whether the Triton kernels can run on tensors of `device` (default: CUDA) here."""
-    if triton is None:
+    if not _import_triton():
         return False
     if device is not None and device.type == "cpu":
         return interpreting()
@@ -56,7 +67,8 @@ def _kernels() -> dict[str, Any]:
     global _mix32
     if _compiled:
         return _compiled
-    assert triton is not None and tl is not None
+    if not _import_triton():
+        raise RuntimeError("Triton is not installed: pip install 'slurm-guard[gpu]'")
 
     @triton.jit
     def mix32(x, m1, m2):  # type: ignore[no-untyped-def]
