@@ -49,6 +49,15 @@ def test_python_binds_cover_the_interpreter_and_the_project() -> None:
     assert not {"/", "/usr", "/usr/lib", "/etc", "/root"} & set(binds)
 
 
+def test_python_binds_cover_editable_installs() -> None:
+    """setuptools' editable finder maps packages to a project that is not on sys.path."""
+    binds = python_binds()
+    for name, module in sys.modules.items():
+        mapping = getattr(module, "MAPPING", None) if name.startswith("__editable__") else None
+        for package_dir in (mapping or {}).values():
+            assert covered(Path(package_dir).resolve(), [*binds, "/tmp"]), (package_dir, binds)
+
+
 def test_outermost_keeps_only_the_outer_paths() -> None:
     paths = [Path("/a/b/c"), Path("/a/b"), Path("/x/y"), Path("/tmp/z"), Path("/a/bc")]
     assert _outermost(paths, [Path("/tmp")]) == ["/a/b", "/a/bc", "/x/y"]

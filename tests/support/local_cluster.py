@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import importlib.util
 import json
 import logging
 import os
@@ -178,7 +179,9 @@ def python_binds() -> list[str]:
     """Host paths that jobs inside a Slurm root need at the same paths: the project and Python.
 
     Jobs and the EpilogSlurmctld run ``sys.executable`` and the project's code, so the
-    interpreter's prefix (and a venv's), every import path and the repository are mounted.
+    interpreter's prefix (and a venv's), every import path, the repository and the projects
+    that editable installs map packages to (setuptools' import hooks, not on sys.path) are
+    mounted.
     A pyenv installation is mounted whole (its shims call the ``pyenv`` program). System
     directories are never mounted over the root's own: for a Debian system Python only its
     own subdirectories and the interpreter file are.
@@ -191,6 +194,12 @@ def python_binds() -> list[str]:
         str(REPO_ROOT),
         *(p for p in sys.path if p),
     ]
+    for name, module in list(sys.modules.items()):
+        mapping = getattr(module, "MAPPING", None) if name.startswith("__editable__") else None
+        if isinstance(mapping, dict):
+            for package_dir in mapping.values():
+                # The project holding the package: its data files live beside it.
+                candidates += [str(package_dir), str(Path(package_dir).parent)]
     base = Path(sys.base_prefix)
     if base.parent.name == "versions" and (base.parent.parent / "shims").is_dir():
         candidates.append(str(base.parent.parent))
@@ -838,6 +847,9 @@ class LocalCluster:
         project (a Python under a mode-700 /root cannot be).
         """
         check = "import ctypes, ssl, sqlite3, lzma, bz2, zlib, json"
+        if importlib.util.find_spec("slurm_guard") is not None:
+            # The project as jobs import it (an editable install may point anywhere).
+            check += "; import slurm_guard.protocol"
         argv = [sys.executable, "-c", check]
         if self.slurm_user != "root":
             uid, gid = self._slurm_ids()
