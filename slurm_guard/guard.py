@@ -224,6 +224,9 @@ class Guard:
                 self._write_run_file()
             except OSError as exc:
                 unwritten = f"cannot write {self.run_dir.run_file} ({exc.strerror})"
+            except Exception as exc:  # any other failure must reach every rank too
+                logger.exception("could not write %s", self.run_dir.run_file)
+                unwritten = f"cannot write {self.run_dir.run_file} ({type(exc).__name__}: {exc})"
         self._share(unwritten, "run.json")
 
     # ---------------------------------------------------------------- set-up helpers
