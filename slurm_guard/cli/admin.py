@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from slurm_guard.cli.evidence import print_node_evidence
 from slurm_guard.cli.options import dry_run_option, json_option, runs_root_option, state_dir_option
 from slurm_guard.controller.policy import Policy, PolicyError
 from slurm_guard.controller.state import StateError, StateStore
@@ -61,26 +62,65 @@ def _engine(ctx: click.Context, state_dir: Path, dry_run: bool) -> Engine:
     return Engine(_client(ctx), store, policy, dry_run=dry_run)
 
 
+class _JsonError(click.ClickException):
+    """An error for a command run with --json: one JSON object on stdout, exit status 1.
+
+    A script that pipes `--json` into a parser gets something it can parse either way.
+    """
+
+    def show(self, file: Any = None) -> None:
+        click.echo(json.dumps({"error": self.format_message(), "exit_code": self.exit_code}))
+
+
+def _wants_json(kwargs: dict[str, Any]) -> bool:
+    if kwargs.get("as_json"):
+        return True
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        if ctx.params.get("as_json"):
+            return True
+        ctx = ctx.parent
+    return False
+
+
+def _slurm_message(exc: Exception) -> str:
+    """Slurm's failure in words: unreachable (not installed, not configured, down) or refused."""
+    from slurm_guard.controller.views import slurm_reason
+    from slurm_guard.slurm.client import SlurmUnavailable
+
+    text = slurm_reason(exc)
+    if isinstance(exc, SlurmUnavailable):
+        return f"slurmctld unreachable ({text}); check `scontrol ping` and SLURM_CONF, then retry"
+    if getattr(exc, "returncode", 0) is None or "no Slurm configuration" in text:
+        return f"Slurm is unreachable from here ({text})"
+    return f"Slurm refused: {text}"
+
+
 def _handle_errors(f: F) -> F:
-    """Turn library errors into ClickExceptions with a next step instead of a traceback."""
+    """Turn library errors into ClickExceptions with a next step instead of a traceback.
+
+    With --json the error is a JSON object on stdout (exit status 1).
+    """
 
     @wraps(f)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         from slurm_guard.controller.report import EngineError
-        from slurm_guard.slurm.client import SlurmCommandError, SlurmUnavailable
+        from slurm_guard.controller.views import ViewError, printable
+        from slurm_guard.slurm.client import SlurmCommandError
 
+        error = _JsonError if _wants_json(kwargs) else click.ClickException
         try:
             return f(*args, **kwargs)
-        except click.ClickException:
+        except _JsonError:
             raise
-        except (EngineError, StateError, PolicyError) as exc:
-            raise click.ClickException(str(exc)) from None
-        except SlurmUnavailable as exc:
-            raise click.ClickException(
-                f"slurmctld unreachable ({exc}); check `scontrol ping` and SLURM_CONF, then retry"
-            ) from None
+        except click.ClickException as exc:
+            if error is _JsonError:
+                raise _JsonError(exc.format_message()) from None
+            raise
+        except (EngineError, StateError, PolicyError, ViewError) as exc:
+            raise error(printable(exc)) from None
         except SlurmCommandError as exc:
-            raise click.ClickException(f"Slurm refused: {exc}") from None
+            raise error(printable(_slurm_message(exc))) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -118,57 +158,96 @@ def _ignoring_sigterm() -> Iterator[None]:
 # ------------------------------------------------------------------- status
 
 
-def _table(rows: list[list[str]], headers: list[str]) -> str:
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows, strict=False)]
+def _safe(value: Any) -> str:
+    from slurm_guard.controller.views import printable
+
+    return printable("-" if value is None else value)
+
+
+def _table(rows: list[list[Any]], headers: list[str]) -> str:
+    """Columns padded to width; every cell escaped (cells come from files users write)."""
+    cells = [[_safe(c) for c in r] for r in rows]
+    widths = [max(len(c) for c in col) for col in zip(headers, *cells, strict=False)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _field(label: str, *values: Any) -> None:
+    click.echo(f"{label + ':':<21}{''.join(_safe(v) for v in values)}")
+
+
+def _names(values: Any) -> str:
+    return ",".join(str(v) for v in values) if isinstance(values, list) and values else "-"
 
 
 def _print_status(view: dict[str, Any]) -> None:
-    job = view["job"]
-    state = job.get("state", job.get("error", "?"))
+    job = view.get("job") or {}
+    state = str(job.get("state", job.get("error", "?")))
     if "state" in job:
-        state += f" on {','.join(job['nodes']) or '-'}, restarts {job['restart_count']}"
-        if job["excluded_nodes"]:
-            state += f", excluded {','.join(job['excluded_nodes'])}"
-        if job["held"]:
+        state += f" on {_names(job.get('nodes'))}, restarts {job.get('restart_count')}"
+        if job.get("excluded_nodes"):
+            state += f", excluded {_names(job['excluded_nodes'])}"
+        if job.get("held"):
             state += ", held"
-    click.echo(f"job:                 {view['job_id'] or '?'}  ({state})")
-    click.echo(f"run dir:             {view['run_dir'] or '? (not found)'}")
+    _field("job", view.get("job_id") or "?", f"  ({state})")
+    _field("run dir", view.get("run_dir") or "? (not found)")
+    if view.get("run_dir_error"):
+        _field("run dir problem", view["run_dir_error"])
+    run = view.get("run") or {}
+    if run.get("error"):
+        _field("run.json", run["error"])
     checks = view.get("checks") or {}
-    click.echo(f"checks:              {', '.join(f'{k}={v}' for k, v in checks.items()) or '-'}")
-    click.echo(f"last verified step:  {view.get('last_verified_step')}")
-    click.echo(f"trusted checkpoint:  step {view.get('trusted_checkpoint')}")
-    for r in view.get("resumes", []):
-        moved = ", ".join(r["quarantined"]) or "-"
-        click.echo(
-            f"resumed:             restart {r['restart_count']} from step "
-            f"{r['resumed_from_step']} after alarm {r['alarm_id']} (moved aside: {moved})"
+    _field("checks", ", ".join(f"{k}={v}" for k, v in checks.items()) or "-")
+    last = view.get("last_verified_step")
+    src = view.get("last_verified_from")
+    _field("last verified step", last, f"  (from {src})" if last is not None and src else "")
+    trusted = view.get("trusted_checkpoint")
+    if view.get("resume_blocked"):
+        _field("trusted checkpoint", "none: ", view["resume_blocked"])
+    else:
+        _field(
+            "trusted checkpoint",
+            "none (a restart starts from step 0)" if trusted is None else f"step {trusted}",
+            f"  (resume rule, trust_replays={view.get('trust_replays')})",
         )
-    click.echo(f"latest checkpoint:   step {view.get('latest_checkpoint')}")
-    if view["pending"]:
-        click.echo(f"pending:             {view['pending'].get('reason')}")
+    for r in view.get("resumes", []):
+        _field(
+            "resumed",
+            f"restart {r.get('restart_count')} from step {r.get('resumed_from_step')} after alarm ",
+            r.get("alarm_id"),
+            f" (moved aside: {', '.join(r.get('quarantined') or []) or '-'})",
+        )
+    _field("latest checkpoint", f"step {view.get('latest_checkpoint')}")
+    for step, problem in (view.get("damaged_checkpoints") or {}).items():
+        _field("damaged checkpoint", f"step {step}: ", problem)
+    if view.get("pending"):
+        _field("pending", view["pending"].get("reason"))
+    if view.get("journal_error"):
+        _field("controller journal", view["journal_error"])
     click.echo("")
     rows = [
         [
             a["alarm_id"],
-            str(a["step"]),
+            a["step"],
             a["check"],
             a["verdict"],
-            ",".join(a["suspect_nodes"]),
+            _names(a["suspect_nodes"]),
             a["decision"] + (" (approved)" if a["approved"] else ""),
         ]
-        for a in view["alarms"]
+        for a in view.get("alarms", [])
     ]
     click.echo(
         _table(rows, ["ALARM", "STEP", "CHECK", "VERDICT", "SUSPECTS", "DECISION"])
         if rows
         else "alarms: none"
     )
-    for err in view["bad_alarm_files"]:
-        click.echo(f"rejected file: {err}")
-    if view["controller_actions"]:
+    for a in view.get("alarms", []):
+        if a["decision"] in ("unknown", "undecided") and a.get("decision_reason"):
+            click.echo(f"  {_safe(a['alarm_id'])}: {_safe(a['decision_reason'])}")
+    for err in view.get("bad_alarm_files", []):
+        click.echo(f"rejected file: {_safe(err)}")
+    if view.get("controller_actions"):
         click.echo("")
         rows = [
             [a["op"] or "", a["target"] or "", a["result"], a["detail"]]
@@ -189,7 +268,9 @@ def status_cmd(
 ) -> None:
     """Show a run: checks, last verified step, alarms, trusted checkpoint, actions, job state.
 
-    TARGET is a job id or a run directory (default: $SLURM_JOB_ID).
+    TARGET is a job id or a run directory (default: $SLURM_JOB_ID). The trusted checkpoint
+    is the one a restart would load now, by the guard's resume rule. Exit status 1 when
+    TARGET is neither a run directory nor a job that Slurm or the controller knows.
 
     Example:
 
@@ -205,8 +286,6 @@ def status_cmd(
     view = status_view(
         target, client=_client(ctx), store=StateStore(state_dir), runs_root=runs_root
     )
-    if view["run_dir"] is None and view["job_id"] is None:
-        raise click.ClickException(f"{target}: neither a run directory nor a known job")
     if as_json:
         click.echo(json.dumps(view, indent=2, sort_keys=True, default=str))
     else:
@@ -238,9 +317,14 @@ def review_group(ctx: click.Context, as_json: bool, state_dir: Path) -> None:
     if as_json:
         click.echo(json.dumps(view, indent=2, sort_keys=True, default=str))
         return
+    if not view["slurm"]["reachable"]:
+        click.echo(
+            f"Slurm is unreachable ({_safe(view['slurm']['error'])}); the nodes below are what "
+            f"the controller's journal in {_safe(view['state_dir'])} records, their state now "
+            "is unknown"
+        )
     rows = [
-        [n["node"], "+".join(n["states"]), ",".join(n["jobs"]) or "-", n["reason"]]
-        for n in view["nodes"]
+        [n["node"], "+".join(n["states"]), _names(n["jobs"]), n["reason"]] for n in view["nodes"]
     ]
     click.echo(
         _table(rows, ["NODE", "STATE", "JOBS", "REASON"])
@@ -248,27 +332,30 @@ def review_group(ctx: click.Context, as_json: bool, state_dir: Path) -> None:
         else "no nodes drained by slurm-guard"
     )
     for n in view["nodes"]:
+        print_node_evidence(n)
         for a in n["alarms"]:
             click.echo(
-                f"  {n['node']}: alarm {a['alarm_id']} job {a['job_id']} step {a['step']} "
-                f"{a['check']}/{a['verdict']}: {a['message']}"
+                "  "
+                + _safe(
+                    f"{n['node']}: alarm {a['alarm_id']} job {a['job_id']} step {a['step']} "
+                    f"{a['check']}/{a['verdict']}: {a['message']}"
+                )
             )
-            click.echo(f"    evidence: {json.dumps(a['evidence'], sort_keys=True)[:300]}")
+            evidence = json.dumps(a["evidence"], sort_keys=True, default=str)[:300]
+            click.echo(f"    evidence: {_safe(evidence)}")
     if view["awaiting_approval"]:
         click.echo("")
         rows = [
-            [
-                w["alarm_id"],
-                str(w["job_id"]),
-                w["outcome"],
-                ",".join(w["suspect_nodes"]),
-                w["reason"],
-            ]
+            [w["alarm_id"], w["job_id"], w["outcome"], _names(w["suspect_nodes"]), w["reason"]]
             for w in view["awaiting_approval"]
         ]
         click.echo(_table(rows, ["ALARM", "JOB", "STATE", "SUSPECTS", "WHY"]))
     for p in view["pending_jobs"]:
-        click.echo(f"pending job {p['job_id']}: {p.get('reason')} ({p.get('attempts')} attempts)")
+        click.echo(
+            _safe(
+                f"pending job {p.get('job_id')}: {p.get('reason')} ({p.get('attempts')} attempts)"
+            )
+        )
 
 
 @review_group.command("approve")
@@ -296,16 +383,22 @@ def review_approve(
 @review_group.command("return")
 @click.argument("node")
 @click.option("--reason", required=True, help="Why the node may serve again (recorded).")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Return it although its latest diagnosis failed or the retire rule names it (recorded).",
+)
 @dry_run_option
 @click.pass_context
 @state_dir_option
 @_handle_errors
 def review_return(
-    ctx: click.Context, node: str, reason: str, dry_run: bool, state_dir: Path
+    ctx: click.Context, node: str, reason: str, force: bool, dry_run: bool, state_dir: Path
 ) -> None:
     """Resume a node slurm-guard drained, after diagnostics cleared it.
 
-    Nodes drained for any other reason are refused.
+    Nodes drained for any other reason are refused, and so is a node whose latest
+    `slurm-guard diagnose` failed or that the policy's retire rule names, unless --force.
 
     Example:
 
@@ -313,7 +406,7 @@ def review_return(
         slurm-guard review return node2 --reason "dcgmi diag -r 3 passed, GPU reseated"
     """
     engine = _engine(ctx, state_dir, dry_run)
-    click.echo(engine.return_node(node, reason, _admin_name()))
+    click.echo(engine.return_node(node, reason, _admin_name(), force=force))
 
 
 @review_group.command("retire")
@@ -436,6 +529,7 @@ def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_
 
     Example:
 
+        \b
         SLURM_JOB_ID=4242 slurm-guard epilog --state-dir /var/lib/slurm-guard --dry-run
     """
     from slurm_guard.controller.intake import find_run_dir, job_failed, run_dir_from_comment
