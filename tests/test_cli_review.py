@@ -218,3 +218,22 @@ def test_control_characters_in_alarms_never_reach_the_terminal(tmp_path: Path) -
         assert "\r" not in result.output
         lines = result.output.splitlines()
         assert not any(line.lstrip().startswith("FAKE LINE") for line in lines), result.output
+
+
+def test_status_without_run_json_takes_the_job_from_the_alarm(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    RunDir(run_dir).ensure()
+    RunDir(run_dir).write_alarm(alarm())
+    result = CliRunner().invoke(
+        main,
+        ["status", str(run_dir), "--state-dir", str(tmp_path / "s"), "--json"],
+        obj={"slurm_client": cluster()},
+    )
+    assert result.exit_code == 0, result.output
+    view = json.loads(result.output)
+    assert view["job_id"] == JOB and view["job"]["state"] == "FAILED"
+    assert "no such file" in view["run"]["error"]
+    text = CliRunner().invoke(
+        main, ["status", str(run_dir), "--state-dir", str(tmp_path / "s")], env=NO_SLURM
+    )
+    assert "latest checkpoint:   none" in text.output, text.output

@@ -218,7 +218,8 @@ def _print_status(view: dict[str, Any]) -> None:
             r.get("alarm_id"),
             f" (moved aside: {', '.join(r.get('quarantined') or []) or '-'})",
         )
-    _field("latest checkpoint", f"step {view.get('latest_checkpoint')}")
+    latest = view.get("latest_checkpoint")
+    _field("latest checkpoint", "none" if latest is None else f"step {latest}")
     for step, problem in (view.get("damaged_checkpoints") or {}).items():
         _field("damaged checkpoint", f"step {step}: ", problem)
     if view.get("pending"):

@@ -398,6 +398,11 @@ def status_view(
     }
     if run_dir is not None and run_dir.is_dir():
         view.update(_run_part(run_dir, journal, journal_error, store))
+        named = [a["job_id"] for a in view["alarms"] if isinstance(a.get("job_id"), str)]
+        if job_id is None and named:
+            # run.json lost or unreadable: the newest alarm still names the job.
+            job_id = view["job_id"] = named[-1]
+            job = _job_view(client, job_id)
     elif run_dir is not None:
         view["run_dir_error"] = f"{run_dir} is gone or not a directory"
     view["job"] = {k: v for k, v in job.items() if k not in ("known", "unreachable")}
