@@ -123,3 +123,22 @@ def test_conservation_holds_within_the_stated_rounding() -> None:
     # and the check has teeth: one element off by 1e-3 of the L1 norm is far outside the bound
     averaged[12345] += 1e-3 * float(sum(c[1] for c in checks))
     assert abs(float(kb.bucket_check(averaged, WORDS)[0]) - expected) > 10 * bound
+
+
+def _mix_py(x: int) -> int:
+    x ^= x >> 16
+    x = (x * sk.MIX_M1) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * sk.MIX_M2) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_sign_hash_is_the_32_bit_finaliser_it_claims() -> None:
+    """The torch spec forms 32-bit products from 16-bit halves: no int64 overflow anywhere."""
+    xs = [0, 1, 0xFFFF, 0x10000, 2**31 - 1, 2**31, 2**32 - 1, 123_456_789]
+    assert [int(v) for v in sk._mix32(torch.tensor(xs))] == [_mix_py(x) for x in xs]
+    n = sk._SIGN_SLAB_WORDS * 32 + 45  # crosses a slab boundary
+    bits = sk.sign_bits(n, WORDS, torch.device("cpu"))
+    for e in (0, 31, 32, sk._SIGN_SLAB_WORDS * 32 - 1, sk._SIGN_SLAB_WORDS * 32, n - 1):
+        word = _mix_py(_mix_py((e >> 5) ^ WORDS[0]) ^ WORDS[1])
+        assert bool(bits[e]) == bool((word >> (e & 31)) & 1), e

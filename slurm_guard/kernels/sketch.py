@@ -52,6 +52,7 @@ _PARALLEL_MIN_ELEMENTS = 2 << 20  # below this, one thread (pool dispatch costs 
 _SEED_TAG = b"slurm-guard sketch signs v1"
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 _MASK32 = 0xFFFFFFFF
+_SIGN_SLAB_WORDS = 1 << 16  # 2M signs per slab: 16 MiB of int64 temporaries
 
 
 def kernel_defines() -> dict[str, int]:
@@ -92,10 +93,14 @@ def sign_bits(n: int, words: tuple[int, int], device: torch.device) -> torch.Ten
     """bool [n]: True where element e of a bucket is multiplied by -1."""
     s0, s1 = words
     nwords = -(-n // 32)
-    w = torch.arange(nwords, dtype=torch.int64, device=device) & _MASK32
-    h = _mix32(_mix32(w ^ s0) ^ s1)
-    bits = (h.unsqueeze(1) >> torch.arange(32, dtype=torch.int64, device=device)) & 1
-    return bits.reshape(-1)[:n].bool()
+    shifts = torch.arange(32, dtype=torch.int64, device=device)
+    out = torch.empty(nwords * 32, dtype=torch.bool, device=device)
+    for start in range(0, nwords, _SIGN_SLAB_WORDS):  # bound the int64 temporaries
+        stop = min(start + _SIGN_SLAB_WORDS, nwords)
+        w = torch.arange(start, stop, dtype=torch.int64, device=device) & _MASK32
+        h = _mix32(_mix32(w ^ s0) ^ s1)
+        out[start * 32 : stop * 32] = ((h.unsqueeze(1) >> shifts) & 1).reshape(-1).bool()
+    return out[:n]
 
 
 def tree_sum(v: torch.Tensor) -> torch.Tensor:
