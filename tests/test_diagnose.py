@@ -8,6 +8,9 @@ would for a drill.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -256,3 +259,104 @@ def test_return_blockers_name_a_failed_diagnosis_and_the_retire_rule(tmp_path: P
     assert summary is not None and summary["passed"] is False
     assert diagnose(tmp_path, "node2").exit_code == 0  # the latest one counts
     assert return_blockers(tmp_path, "node2", [], retire_after=None, retire_days=1) == []
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slurm
+def test_on_the_cluster_a_faulty_node_fails_and_return_needs_force(
+    idle_slurm_cluster: Any, tmp_path: Path
+) -> None:
+    """srun the burn-in on two nodes of the real cluster, a GEMM fault injected on node2; the
+    controller then refuses to return node2 without --force, and journals the forced return."""
+    from slurm_guard.controller.state import StateStore
+    from slurm_guard.slurm.client import CommandSlurmClient
+
+    cluster = idle_slurm_cluster
+    state = tmp_path / "state"
+    state.mkdir()
+    env = {**os.environ, **cluster.env(), "SLURM_GUARD_INJECT": PERSISTENT}
+
+    def srun(node: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "slurm_guard.cli", "diagnose", *SMALL]
+        return subprocess.run(
+            ["srun", "-N1", "-w", node, *command, "--state-dir", str(state), "--json"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    good = srun("node1")
+    assert good.returncode == 0, good.stderr
+    assert json.loads(good.stdout)["node"] == "node1"  # SLURMD_NODENAME names the node
+    bad = srun("node2")
+    assert bad.returncode == EXIT_DIAGNOSIS_FAILED, bad.stderr
+    assert json.loads(bad.stdout)["golden"] == GOLDEN_MISMATCH
+
+    client = CommandSlurmClient(env=cluster.env())
+    client.drain("node2", "slurm-guard: job 1 step 20 check replay alarm a1")
+
+    def review(*args: str) -> Result:
+        return CliRunner().invoke(
+            main, ["review", "--state-dir", str(state), *args], obj={"slurm_client": client}
+        )
+
+    listed = review("--json")
+    assert listed.exit_code == 0, listed.output
+    node2 = next(n for n in json.loads(listed.output)["nodes"] if n["node"] == "node2")
+    assert node2["diagnosis"]["passed"] is False and node2["return_blockers"]
+    refused = review("return", "node2", "--reason", "looks fine to me")
+    assert refused.exit_code == 1 and "slurm-guard diagnose" in refused.output
+    assert "--force" in refused.output
+    assert client.node("node2").drained
+    forced = review("return", "node2", "--reason", "GPU swapped, rerun pending", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert not client.node("node2").drained
+    returns = [e for e in StateStore(state).read().entries if e.get("op") == "return"]
+    assert returns and returns[-1]["forced"] is True and returns[-1]["overrode"]
+
+
+def test_review_shows_the_evidence_and_return_needs_force(tmp_path: Path) -> None:
+    """Against the unit tests' in-memory Slurm: the review listing, the refusal, the override."""
+    from test_controller_unit import ALLOC, FakeSlurm, make_alarm, write_alarm
+
+    from slurm_guard.controller.engine import Engine
+    from slurm_guard.controller.policy import Policy
+    from slurm_guard.controller.state import StateStore
+
+    slurm = FakeSlurm()
+    store = StateStore(tmp_path / "state")
+    store.ensure()
+    Policy(retire_after=2, retire_days=30).save(store.root)
+    for job in ("100", "101"):
+        slurm.add_job(job, ALLOC, user_id=os.getuid())
+        run = tmp_path / f"run{job}"
+        write_alarm(run, make_alarm(job, f"a{job}", evidence={"triage": {"reproduced": "3 of 3"}}))
+        Engine(slurm, store).process_job(job, run)
+    assert slurm.count("drain") == 1  # the second alarm finds node2 drained already
+    assert diagnose(store.root, "node2", inject=PERSISTENT).exit_code == EXIT_DIAGNOSIS_FAILED
+
+    def cli(*args: str) -> Result:
+        return CliRunner().invoke(
+            main, ["review", "--state-dir", str(store.root), *args], obj={"slurm_client": slurm}
+        )
+
+    listing = cli()
+    assert listing.exit_code == 0, listing.output
+    assert "node2: 2 alarm(s) since" in listing.output and "2 confirmed" in listing.output
+    assert 'triage: {"reproduced": "3 of 3"}' in listing.output
+    assert "node2: latest diagnosis" in listing.output and "FAILED" in listing.output
+    assert "the policy retires a node after 2" in listing.output
+    refused = cli("return", "node2", "--reason", "reseated")
+    assert refused.exit_code == 1 and "--force" in refused.output
+    assert "latest `slurm-guard diagnose`" in refused.output
+    assert slurm.count("resume") == 0
+    forced = cli("return", "node2", "--reason", "reseated, RMA refused", "--force")
+    assert forced.exit_code == 0, forced.output
+    assert slurm.count("resume") == 1
+    entry = [e for e in store.read().entries if e.get("op") == "return"][-1]
+    assert entry["forced"] is True and len(entry["overrode"]) == 2
+    assert entry["admin"] and entry["reason"] == "reseated, RMA refused"

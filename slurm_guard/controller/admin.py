@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from slurm_guard.controller.actions import MAX_REASON_LEN
-from slurm_guard.controller.policy import Outcome
+from slurm_guard.controller.evidence import node_evidence
+from slurm_guard.controller.policy import Outcome, Policy
 from slurm_guard.controller.report import EngineError, JobReport, RetryLater
 from slurm_guard.controller.state import (
     ADMIN,
@@ -34,6 +35,7 @@ class Engine(Protocol):
 
     client: SlurmClient
     store: StateStore
+    policy: Policy
     lock_timeout_s: float
     clock: Callable[[], float]
 
@@ -118,12 +120,25 @@ def approve(engine: Engine, alarm_id: str, reason: str, admin: str) -> JobReport
         return report
 
 
-def return_node(engine: Engine, node: str, reason: str, admin: str) -> str:
-    """Resume a node slurm-guard drained, after diagnostics cleared it."""
+def return_node(engine: Engine, node: str, reason: str, admin: str, *, force: bool = False) -> str:
+    """Resume a node slurm-guard drained, after diagnostics cleared it.
+
+    Refused while the evidence speaks against the node (its latest `slurm-guard diagnose`
+    failed, or the policy's retire rule names it) unless `force`; a forced return is journaled
+    with what it overrode.
+    """
     require_reason(reason)
     with engine.store.locked(engine.lock_timeout_s):
         info = engine.client.node(node)
         require_ours(node, info.reason, "return")
+        evidence = node_evidence(engine.store, node, policy=engine.policy, now=engine.clock())
+        blockers: list[str] = evidence["return_blockers"]
+        if blockers and not force:
+            raise EngineError(
+                f"{node} not returned: {'; '.join(blockers)}. Rerun `slurm-guard diagnose` on "
+                f"it, or retire it (`slurm-guard review retire {node}`); `review return --force` "
+                "returns it anyway and records that it was forced"
+            )
         _admin_action(
             engine,
             "return",
@@ -134,6 +149,8 @@ def return_node(engine: Engine, node: str, reason: str, admin: str) -> str:
             "resume",
             "resumed",
             lambda: engine.client.resume(node),
+            forced=force,
+            overrode=blockers,
         )
         return "\n".join(engine.narrate(f"resumed {node} (was: {info.reason})"))
 
@@ -169,6 +186,7 @@ def _admin_action(
     slurm_op: str,
     done_detail: str,
     call: Callable[[], None],
+    **extra: Any,
 ) -> None:
     """An admin's change to a node: recorded before (who, why, intent) and after (result)."""
     key = f"admin:{op}:{node}:{engine.clock():.6f}"
@@ -180,6 +198,7 @@ def _admin_action(
         admin=admin,
         previous_reason=previous_reason,
         key=key,
+        **extra,
     )
     engine.store.append(INTENT, key=key, op=slurm_op, target=node)
     try:

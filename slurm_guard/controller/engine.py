@@ -169,10 +169,10 @@ class Engine:
         finally:
             self.publish_metrics()
 
-    def return_node(self, node: str, reason: str, admin_name: str) -> str:
+    def return_node(self, node: str, reason: str, admin_name: str, *, force: bool = False) -> str:
         """Resume a node slurm-guard drained (see admin.return_node)."""
         try:
-            return admin.return_node(self, node, reason, admin_name)
+            return admin.return_node(self, node, reason, admin_name, force=force)
         finally:
             self.publish_metrics()
 
