@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
 pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families
@@ -183,3 +185,38 @@ def test_a_relative_metrics_file_is_in_the_state_dir_and_a_dry_run_writes_none(
     assert values[("slurm_guard_drains_total", (("trigger", "auto"),))] == 1
     with pytest.raises(PolicyError, match=r"\.prom"):
         Policy(metrics_file="/var/lib/node_exporter/slurm_guard.txt")
+
+
+@pytest.mark.slurm
+def test_on_the_cluster_the_controller_pass_writes_matching_metrics(
+    idle_slurm_cluster: Any, tmp_path: Path
+) -> None:
+    """A real 3-node job ends with the guard's exit code and an alarm naming node2; one
+    `slurm-guard controller` pass drains node2 and requeues the job, and the textfile it writes
+    says so, with the nodes out read back from the real slurmctld."""
+    from test_controller_slurm import finished_job_with_alarm
+
+    from slurm_guard.cli import main
+    from slurm_guard.slurm.client import CommandSlurmClient
+
+    client = CommandSlurmClient(env=idle_slurm_cluster.env())
+    state = tmp_path / "state"
+    state.mkdir()
+    Policy(metrics_file="slurm_guard.prom").save(state)
+    job_id, run = finished_job_with_alarm(client, tmp_path)
+    result = CliRunner().invoke(
+        main,
+        ["controller", "--runs-root", str(run.parent), "--state-dir", str(state)],
+        obj={"slurm_client": client},
+    )
+    assert result.exit_code == 0, result.output
+    assert client.node("node2").drained
+    values = samples((state / "slurm_guard.prom").read_text())
+    key = (("check", "replay"), ("outcome", "act"), ("verdict", "sdc"))
+    assert values[("slurm_guard_alarms_total", key)] == 1
+    assert values[("slurm_guard_drains_total", (("trigger", "auto"),))] == 1
+    assert values[("slurm_guard_requeues_total", (("trigger", "auto"),))] == 1
+    assert values[("slurm_guard_nodes_out", (("state", "drain"),))] == 1
+    assert values[("slurm_guard_slurm_up", ())] == 1
+    assert values[("slurm_guard_pending_approvals", ())] == 0
+    del job_id  # the fixture cancels the requeued job and resumes node2
