@@ -237,3 +237,21 @@ def test_status_without_run_json_takes_the_job_from_the_alarm(tmp_path: Path) ->
         main, ["status", str(run_dir), "--state-dir", str(tmp_path / "s")], env=NO_SLURM
     )
     assert "latest checkpoint:   none" in text.output, text.output
+
+
+def test_status_says_a_restart_would_stop_on_an_unreadable_alarm(tmp_path: Path) -> None:
+    """The guard refuses to resume past an alarm it cannot read (fail closed); status must not
+    name a trusted checkpoint the guard would never load."""
+    run_dir = tmp_path / "run"
+    RunDir(run_dir).ensure()
+    path = RunDir(run_dir).write_alarm(alarm())
+    obj = json.loads(path.read_text())
+    path.unlink()
+    path.write_text(json.dumps({**obj, "schema": 99}))
+    result = CliRunner().invoke(
+        main, ["status", str(run_dir), "--state-dir", str(tmp_path / "s"), "--json"], env=NO_SLURM
+    )
+    assert result.exit_code == 0, result.output
+    view = json.loads(result.output)
+    assert view["trusted_checkpoint"] is None
+    assert "cannot be used" in view["resume_blocked"]
