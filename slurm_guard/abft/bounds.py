@@ -139,9 +139,9 @@ def residual_bound(
     checksum GEMM 2q + 1 roundings no larger than ||s_b|| ||m_c|| + n_b |beta_c|; the final
     subtraction one, no larger than 2 sum_i rho_i. With sum_i rho_i^2 <= 2 ||m_c||^2 a_sq +
     2 n_b beta_c^2 this gives sum c_t^2 <= `terms` below. The second-order remainder (products of
-    two roundings, at most R sum_i rho_i with R = e^E - 1 - E for E the roundoffs of one element) is
-    at most R sqrt(n_b / per_element) sqrt(terms): folded into the margin, negligible in float32,
-    not for half-precision accumulation over long reductions.
+    two roundings, at most R sum_i rho_i, R below) is at most R sqrt(n_b / per_element) sqrt(terms):
+    folded into the margin, negligible in float32, not for half-precision accumulation over long
+    reductions.
     """
     uniform = not isinstance(block_rows, torch.Tensor)
     n_b: Any = block_rows if uniform else block_rows[:, None]  # type: ignore[index]
@@ -150,8 +150,12 @@ def residual_bound(
     per_element = (q + 1) * r.acc**2 + 2.1 * r.inp**2 + out_term
     check_gemm = (2 * q + 1) * (r.check_acc**2 + 2.1 * r.check_inp**2)
     uc2 = r.check**2
-    events = (2 * q + 2) * r.acc + 2 * r.inp + r.out
-    remainder = (math.expm1(events) - events) * math.sqrt(n_max / per_element)
+    # products of two or more roundings: (1 + d_out) prod (1 + d_t) - 1 - sum of first-order
+    # terms is at most R = (e^E - 1 - E)(1 + u_out) + u_out (e^E - 1), E the other roundings
+    # (a single output rounding has no square of its own)
+    events = (2 * q + 2) * r.acc + 2 * r.inp
+    second = (math.expm1(events) - events) * (1 + r.out) + r.out * math.expm1(events)
+    remainder = second * math.sqrt(n_max / per_element)
     # 1.01: the norms and this formula are themselves computed in floating point
     scale = (1.01 * (margin + remainder)) ** 2
     floor = (torch.finfo(a_sq.dtype).tiny * (2 * q + 8) * n_max) ** 2
