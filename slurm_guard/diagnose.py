@@ -301,6 +301,13 @@ def run_diagnosis(config: DiagnoseConfig) -> Diagnosis:
     if devices[0].type == "cpu":
         torch.set_num_threads(threads)
     facts = device_facts(devices[0], threads)
+    if devices[0].type == "cuda":
+        names = {torch.cuda.get_device_name(d) for d in devices}
+        if len(names) > 1:  # one golden key per run: results of different models differ
+            raise GuardError(
+                f"this node mixes GPU models ({', '.join(sorted(names))}); diagnose each model "
+                "separately, e.g. CUDA_VISIBLE_DEVICES=0,1 slurm-guard diagnose ..."
+            )
     facts["count"] = len(devices)
     key_facts = {k: v for k, v in facts.items() if k != "count"}
     errors: list[str] = []
