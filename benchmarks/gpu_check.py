@@ -202,10 +202,10 @@ def steps_part(rounds: int) -> dict[str, Any]:
     cfg = TinyGPTConfig(vocab=50304, context=512, width=1024, heads=16, layers=24, dropout=0.0)
     batch_size = 8
     os.environ.setdefault("SLURMD_NODENAME", "gpu-node")
+    torch.cuda.set_device(0)
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
-    torch.cuda.set_device(0)
     huge = 1_000_000
     variants: dict[str, sg.GuardConfig | None] = {
         "plain DDP": None,

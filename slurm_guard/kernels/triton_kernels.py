@@ -92,6 +92,7 @@ def _kernels() -> dict[str, Any]:
         pa_ptr,
         SPAN: tl.constexpr,
         LOG2_SPAN: tl.constexpr,
+        IS_F64: tl.constexpr,
     ):
         c = tl.program_id(0).to(tl.int64)
         s0 = s0_arg.to(tl.uint32)
@@ -101,7 +102,11 @@ def _kernels() -> dict[str, Any]:
         k = tl.arange(0, 8)[:, None].to(tl.int64)
         i = tl.arange(0, SPAN)[None, :].to(tl.int64)
         e = c * (8 * SPAN) + k * SPAN + i  # [8, SPAN] element indices of this chunk
-        v = tl.load(x_ptr + e, mask=e < n, other=0.0).to(tl.float64)
+        raw = tl.load(x_ptr + e, mask=e < n, other=0.0)
+        if IS_F64:  # noqa: SIM108  (an if statement on a constexpr: what Triton compiles)
+            v = raw
+        else:  # via float32: exact for fp16/bf16, and every backend converts those to fp32
+            v = raw.to(tl.float32).to(tl.float64)
         h = _mix32(_mix32((e >> 5).to(tl.uint32) ^ s0, m1, m2) ^ s1, m1, m2)
         negative = ((h >> (e & 31).to(tl.uint32)) & 1) == 1
         s = tl.where(negative, -v, v)
@@ -189,6 +194,7 @@ def triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
         partials[1],
         SPAN=span,
         LOG2_SPAN=span.bit_length() - 1,
+        IS_F64=x.dtype == torch.float64,
     )
     if fused_finish:  # one more launch instead of ~log2(chunks) elementwise torch ops
         out = torch.empty(3, dtype=torch.float64, device=x.device)
