@@ -15,6 +15,7 @@ this module without it works, `available()` says False and the callers use the t
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -172,8 +173,19 @@ def _kernels() -> dict[str, Any]:
     return _compiled
 
 
+def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Launch on the tensor's GPU: DDP runs the hook's callbacks on threads whose current device
+    is not necessarily the rank's, and Triton launches on the current device."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
     """float64 [S, A, nonfinite] of a bucket on its device: the bits of `sketch.reference_check`."""
+    with _on(bucket.device):
+        return _triton_check(bucket, words)
+
+
+def _triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
     x = bucket.detach().reshape(-1)
     if not x.is_contiguous():
         x = x.contiguous()
@@ -214,6 +226,11 @@ def triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
 def nh_blocks(raw: torch.Tensor, keys: torch.Tensor, nh_words: int) -> torch.Tensor:
     """int64 [nblocks, 2]: the NH value (mod 2^64, as bits) of each zero-padded block of `raw`
     (a flat uint8 tensor) under the two lanes' keys (int32 [2, nh_words])."""
+    with _on(raw.device):
+        return _nh_blocks(raw, keys, nh_words)
+
+
+def _nh_blocks(raw: torch.Tensor, keys: torch.Tensor, nh_words: int) -> torch.Tensor:
     block_bytes = 4 * nh_words
     nbytes = raw.numel()
     full = nbytes // block_bytes
