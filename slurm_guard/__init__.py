@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from slurm_guard.collective import CollectiveError, CollectiveMismatch, RankFailed, RanksMissing
     from slurm_guard.config import ConfigError, GuardConfig
     from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
     from slurm_guard.faults import Fault
@@ -18,6 +19,10 @@ if TYPE_CHECKING:
     from slurm_guard.replay import Microbatches, is_replaying
 
 _EXPORTS = {
+    "CollectiveError": "slurm_guard.collective",
+    "CollectiveMismatch": "slurm_guard.collective",
+    "RankFailed": "slurm_guard.collective",
+    "RanksMissing": "slurm_guard.collective",
     "EXIT_SDC": "slurm_guard.errors",
     "GuardError": "slurm_guard.errors",
     "SilentDataCorruption": "slurm_guard.errors",
@@ -34,12 +39,16 @@ _EXPORTS = {
 __all__ = [
     "EXIT_SDC",
     "Alarm",
+    "CollectiveError",
+    "CollectiveMismatch",
     "ConfigError",
     "Fault",
     "Guard",
     "GuardConfig",
     "GuardError",
     "Microbatches",
+    "RankFailed",
+    "RanksMissing",
     "SilentDataCorruption",
     "exit_on_alarm",
     "is_replaying",

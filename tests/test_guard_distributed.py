@@ -46,8 +46,8 @@ def expected_detection(kind: str, onset: int, persistent: bool) -> int:
     return next_replay
 
 
-# The injection kinds of the guard issue; "allreduce" and "replay-noise" have their own tests
-# (test_blind_spots.py, test_training_features.py).
+# The injection kinds of the guard issue; "allreduce", "replay-noise", "gemm" and "diagnose-gemm"
+# have their own tests (see test_every_fault_kind_has_a_detection_test).
 MATRIX_KINDS = ("grad-scale", "grad-bitflip", "nan", "inf", "activation", "weight-bitflip")
 
 
@@ -211,7 +211,9 @@ def test_loss_that_is_not_a_scalar_is_refused_before_any_update(tmp_path: Path) 
 
 def test_every_fault_kind_has_a_detection_test() -> None:
     assert set(BACKWARD_KINDS) < set(MATRIX_KINDS)
-    assert set(KINDS) == {*MATRIX_KINDS, "allreduce", "replay-noise"}
+    # allreduce, replay-noise: test_blind_spots.py, test_training_features.py; gemm:
+    # test_abft.py, test_abft_guard.py; diagnose-gemm: test_diagnose.py
+    assert set(KINDS) == {*MATRIX_KINDS, "allreduce", "replay-noise", "gemm", "diagnose-gemm"}
 
 
 def test_collectives_use_the_backend_device_and_one_host_read_per_step(tmp_path: Path) -> None:
