@@ -255,3 +255,18 @@ def test_status_says_a_restart_would_stop_on_an_unreadable_alarm(tmp_path: Path)
     view = json.loads(result.output)
     assert view["trusted_checkpoint"] is None
     assert "cannot be used" in view["resume_blocked"]
+
+
+def test_return_refuses_a_node_already_in_service_whatever_its_leftover_reason(
+    tmp_path: Path,
+) -> None:
+    from slurm_guard.controller.report import EngineError
+
+    reason = f"slurm-guard: job {JOB} step 340 check replay alarm a1"
+    slurm = cluster([node("node2", {"IDLE"}, reason)])  # 24.11, after an earlier return
+    engine = Engine(slurm, StateStore(tmp_path / "state"), Policy())
+    with pytest.raises(EngineError, match="in service"):
+        engine.return_node("node2", "diag ok", "admin")
+    with pytest.raises(EngineError, match="in service"):
+        engine.retire_node("node2", "bad", "admin")
+    assert slurm.changes == []

@@ -66,7 +66,13 @@ def require_reason(reason: str) -> None:
 
 
 def require_ours(node: str, reason: str | None, verb: str) -> None:
-    if not reason or not reason.startswith(REASON_PREFIX):
+    """`reason` is the node's reason in force (NodeInfo.effective_reason), None in service."""
+    if not reason:
+        raise EngineError(
+            f"{node} is in service (not drained, failed or down), so slurm-guard holds nothing "
+            f"to {verb}; a reason Slurm 24.11 still shows after a resume is left over"
+        )
+    if not reason.startswith(REASON_PREFIX):
         raise EngineError(
             f"{node} has reason {reason!r}, not set by slurm-guard: slurm-guard does not "
             f"{verb} nodes it did not drain. Use scontrol directly if that is intended."
@@ -130,7 +136,7 @@ def return_node(engine: Engine, node: str, reason: str, admin: str, *, force: bo
     require_reason(reason)
     with engine.store.locked(engine.lock_timeout_s):
         info = engine.client.node(node)
-        require_ours(node, info.reason, "return")
+        require_ours(node, info.effective_reason, "return")
         evidence = node_evidence(engine.store, node, policy=engine.policy, now=engine.clock())
         blockers: list[str] = evidence["return_blockers"]
         if blockers and not force:
@@ -160,7 +166,7 @@ def retire_node(engine: Engine, node: str, reason: str, admin: str) -> str:
     require_reason(reason)
     with engine.store.locked(engine.lock_timeout_s):
         info = engine.client.node(node)
-        require_ours(node, info.reason, "retire")
+        require_ours(node, info.effective_reason, "retire")
         fail_reason = f"{REASON_PREFIX} retired by {admin}: {reason}"[:MAX_REASON_LEN]
         _admin_action(
             engine,
