@@ -157,3 +157,23 @@ def test_config_accepts_the_right_types() -> None:
         watchdog_seconds=0,
     )
     assert config.summary()["watchdog_seconds"] == 0
+
+
+def test_node_fault_on_a_single_host_run_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 13: under single-host torchrun every rank is on one node, so a node fault hits
+    every replica alike and no replay or vote can see it."""
+    from slurm_guard.records import RankInfo
+    from slurm_guard.setup_checks import announce_faults
+    from slurm_guard.topology import Topology
+
+    one_host = Topology.build([RankInfo(r, "box", "box") for r in range(3)])
+    three = Topology.build([RankInfo(r, f"n{r}", f"n{r}") for r in range(3)])
+    node_fault = (sg.Fault("grad-scale", node="box", step=3, persistent=True),)
+    with caplog.at_level("WARNING", logger="slurm_guard"):
+        announce_faults(node_fault, one_host, 0, 1)
+    assert "hosts every rank" in caplog.text and "1 from SLURM_GUARD_INJECT" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="slurm_guard"):
+        announce_faults((sg.Fault("grad-scale", node="n1", step=3),), three, 0, 0)
+        announce_faults((sg.Fault("grad-scale", rank=1, step=3),), one_host, 0, 0)
+    assert "fault injection is ON" in caplog.text and "hosts every rank" not in caplog.text
