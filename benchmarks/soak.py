@@ -133,7 +133,8 @@ def abft_part(name: str, gemms: int, seed: int) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         for micro in range(4):
             loss(batch_at(steps, micro)).backward()
-        counted += sum(len(s.results) for s in handle.sites)
+        added = sum(len(s.results) for s in handle.sites)
+        counted += added
         result = handle.collect()
         assert result is not None
         values = result.tolist()  # once per step
@@ -145,6 +146,14 @@ def abft_part(name: str, gemms: int, seed: int) -> dict[str, Any]:
         worst = max(worst, max(max(r) for r in values))
         opt.step()
         steps += 1
+        if counted // 10_000 != (counted - added) // 10_000 or steps == 1:
+            # progress on stderr: a long soak on a shared machine can be read while it runs
+            print(
+                f"abft {name}: {steps} steps, {counted} checked GEMMs, {failed} failed, "
+                f"max residual/bound {worst:.3e}, {time.monotonic() - began:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
     return {
         "part": f"abft {name}",
         "model": source,
