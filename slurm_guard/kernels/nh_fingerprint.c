@@ -17,6 +17,10 @@
 #error "the kernel computes exactly two NH lanes"
 #endif
 #define BLOCK_BYTES (4 * NH_WORDS)
+/* Software prefetch one block ahead: memory-resident tensors (1e8 float32) went from 0.53-0.78x
+ * to 0.73-0.91x of a float32 sum() with it on an AVX2 EPYC (interleaved, loaded machine); a hint
+ * only (never faults past the end), and the output does not depend on it. */
+#define PREFETCH_BYTES BLOCK_BYTES
 #define BLOCKS_PER_ROW (ROW / (4 * LANES))
 
 /* NH of one full 4 KiB block in both lanes. Unaligned loads: a byte tensor may start anywhere. */
@@ -25,6 +29,8 @@ static void nh_block(const uint8_t *p, const uint32_t *k0, const uint32_t *k1, u
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
     __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
     for (int i = 0; i < NH_WORDS; i += 32) {
+        __builtin_prefetch(p + 4 * i + PREFETCH_BYTES);
+        __builtin_prefetch(p + 4 * i + PREFETCH_BYTES + 64);
         __m512i m = _mm512_loadu_si512((const void *)(p + 4 * i));
         __m512i n = _mm512_loadu_si512((const void *)(p + 4 * i + 64));
         __m512i x = _mm512_add_epi32(m, _mm512_loadu_si512((const void *)(k0 + i)));
@@ -42,6 +48,7 @@ static void nh_block(const uint8_t *p, const uint32_t *k0, const uint32_t *k1, u
     __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
     __m256i b0 = _mm256_setzero_si256(), b1 = _mm256_setzero_si256();
     for (int i = 0; i < NH_WORDS; i += 16) {
+        __builtin_prefetch(p + 4 * i + PREFETCH_BYTES);
         __m256i m = _mm256_loadu_si256((const __m256i *)(p + 4 * i));
         __m256i n = _mm256_loadu_si256((const __m256i *)(p + 4 * i + 32));
         __m256i x = _mm256_add_epi32(m, _mm256_loadu_si256((const __m256i *)(k0 + i)));
