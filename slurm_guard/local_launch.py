@@ -62,7 +62,10 @@ def _worker(
     except BaseException:
         outcome = RankOutcome(rank, "error", traceback.format_exc())
     finally:
-        dist.destroy_process_group()
+        # The function may have torn the group down itself (exit_on_alarm's caller, a
+        # training script's own cleanup); a second destroy would raise and lose the outcome.
+        if dist.is_initialized():
+            dist.destroy_process_group()
     # Tensors go through the queue as bytes: torch's shared-memory handles would die with us.
     buffer = io.BytesIO()
     torch.save(outcome, buffer)

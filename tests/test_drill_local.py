@@ -35,3 +35,18 @@ def test_local_drill_passes_every_stage(tmp_path: Path) -> None:
 def test_drill_refuses_too_few_nodes() -> None:
     result = CliRunner().invoke(main, ["drill", "--local", "--nodes", "2"])
     assert result.exit_code == 2 and "--nodes" in result.output
+
+
+def test_a_failure_in_the_faulty_run_is_reported_against_that_stage() -> None:
+    """A rank that crashed in the second scenario fails the faulty-run stage, not the clean one
+    (the first-run report blamed the clean run for a numpy error in the faulty one)."""
+    from slurm_guard.drill.local import _scenario
+    from slurm_guard.drill.stages import StageFailed
+
+    clean = {"result": {"final_step": 30}, "alarm": None, "seconds": 1.0}
+    per_rank = [[clean, {"error": "RuntimeError: boom", "seconds": 0.0}], [clean]]
+    assert _scenario(per_rank, 0, "the clean run") == [clean, clean]
+    with pytest.raises(StageFailed, match="the faulty run: rank 0 failed: RuntimeError: boom"):
+        _scenario(per_rank, 1, "the faulty run")
+    with pytest.raises(StageFailed, match="rank 1 did not get to it"):
+        _scenario([[clean, clean], [clean]], 1, "the faulty run")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,28 @@ def _local_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append({"result": run_training(sc["settings"]), "alarm": None})
         except SilentDataCorruption as exc:
             out.append({"result": None, "alarm": exc.alarm.to_json()})
+        except Exception:
+            # Recorded against this scenario, so the report names the stage that failed; the
+            # later scenarios cannot run on a process group in an unknown state.
+            out.append({"error": traceback.format_exc()[-800:], "seconds": 0.0})
+            break
         out[-1]["seconds"] = time.monotonic() - began
         dist.barrier()
     return out
+
+
+def _scenario(
+    per_rank: Sequence[list[dict[str, Any]]], index: int, what: str
+) -> list[dict[str, Any]]:
+    """Every rank's outcome of scenario `index`; the stage fails if a rank did not finish it."""
+    runs = []
+    for rank, scenarios in enumerate(per_rank):
+        if len(scenarios) <= index:
+            raise StageFailed(f"{what}: rank {rank} did not get to it (an earlier run failed)")
+        if "error" in scenarios[index]:
+            raise StageFailed(f"{what}: rank {rank} failed: {scenarios[index]['error']}")
+        runs.append(scenarios[index])
+    return runs
 
 
 def _ranks_ok(outcomes: Sequence[Any], what: str) -> list[list[dict[str, Any]]]:
@@ -132,23 +152,23 @@ def run_local_drill(
             timeout=timeout,
         )
         spawn_s = time.monotonic() - spawn
-        times = [
-            o.value[i]["seconds"] if o.status == "ok" else 0.0 for o in outcomes[:1] for i in (0, 1)
-        ] or [0.0, 0.0]
+        first_rank = outcomes[0].value if outcomes and outcomes[0].status == "ok" else []
+        times = [s.get("seconds", 0.0) for s in first_rank] + [0.0, 0.0]
         with rec.stage("clean run (no fault)", spawn_s - times[1]) as d:
             per_rank = _ranks_ok(outcomes, "clean and faulty runs")
-            first = per_rank[0][0]
+            clean_runs = _scenario(per_rank, 0, "the clean run")
+            first = clean_runs[0]
             check(first["alarm"] is None, f"the clean run raised an alarm: {first['alarm']}")
             result = first["result"]
             check(result["final_step"] == steps, f"stopped at step {result['final_step']}")
             d.append(
                 f"{steps} steps on {nodes} ranks in {first['seconds']:.1f} s "
-                f"(+{spawn_s - first['seconds'] - per_rank[0][1]['seconds']:.1f} s process "
+                f"(+{spawn_s - first['seconds'] - times[1]:.1f} s process "
                 f"start); final weights sha256 {short_digest(result['weight_sha256'])}"
             )
             report.facts["clean_sha256"] = result["weight_sha256"]
         with rec.stage("guard stops the faulty run", times[1]) as d:
-            runs = [r[1] for r in per_rank]
+            runs = _scenario(per_rank, 1, "the faulty run")
             alarm = runs[0]["alarm"]
             check(alarm is not None, "the faulty run finished without an alarm")
             check(all(r["alarm"] == alarm for r in runs), "ranks disagree on the alarm")
