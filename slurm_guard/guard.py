@@ -58,20 +58,22 @@ from slurm_guard.replay import (
     preserved_state,
     recompute,
 )
-from slurm_guard.rundir import (
-    RunDir,
-    RunLock,
+from slurm_guard.run_identity import (
     check_unchanged,
     establish_identity,
-    fresh_start_requested,
     identity_stamp,
     markers_problem,
     markers_seen,
+    prepare_markers,
+    write_marker,
+)
+from slurm_guard.run_lock import RunLock
+from slurm_guard.rundir import (
+    RunDir,
+    fresh_start_requested,
     newest_clean,
     parse_checkpoint_meta,
-    prepare_markers,
     trust_limit,
-    write_marker,
 )
 from slurm_guard.setup_checks import announce_faults, check_same_setup, warn_small_world
 from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info

@@ -12,6 +12,10 @@ Layout (all on a filesystem shared by the nodes and the controller):
     checkpoints/step-NNNNNNNN/    meta.json + model.pt + optimizer.pt + rng-rank-<r>.pt
     quarantine/<alarm_id>/...     checkpoints newer than the trusted one, moved aside, never loaded
 
+This module holds the paths, the readers and writers of the records above, checkpoint
+listing, and the resume rule. guard.lock lives in `run_lock`; identity.json and the per-rank
+markers (.markers/) in `run_identity`.
+
 Fail closed: anything the resume rule needs but cannot read (an alarm, the checkpoint listing,
 the run's identity) raises `RunDirError` instead of being skipped, because skipping it could
 load a checkpoint saved after a fault.
@@ -19,7 +23,6 @@ load a checkpoint saved after a fault.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
@@ -27,9 +30,6 @@ import math
 import os
 import re
 import shutil
-import socket
-import threading
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,14 +54,6 @@ MARKERS_DIR = ".markers"
 IDENTITY_FILE = "identity.json"
 LOCK_FILE = "guard.lock"
 LOST_ALARM_PREFIX = "lost-alarm."
-HEARTBEAT_S = 15.0
-"""Rank 0 refreshes the lock's mtime this often."""
-STALE_AFTER_S = 120.0
-"""A lock whose mtime is older than this (by the file server's clock) belongs to a dead job.
-
-Longer than NFS attribute caching (acregmax, 60 s by default) plus a few heartbeats, so a live
-job on another node is never taken for dead.
-"""
 RESUME_ENV = "SLURM_GUARD_RESUME"
 """`SLURM_GUARD_RESUME=fresh`: the deliberate override of every refusal at start and resume."""
 
@@ -189,7 +181,7 @@ class CheckpointScan:
     damaged: dict[int, str]  # step -> what is wrong (unreadable or malformed meta.json)
 
 
-def _listdir(path: Path, what: str) -> list[str]:
+def listdir_or_raise(path: Path, what: str) -> list[str]:
     """Names in `path`; [] if it does not exist; RunDirError if it exists but cannot be listed.
 
     `Path.glob` hides a permission error as "no files", which made an unreadable checkpoints/
@@ -279,7 +271,7 @@ class RunDir:
         """
         found: list[Alarm] = []
         errors: list[RecordError] = []
-        for name in _listdir(self.alarms_dir, "alarms"):
+        for name in listdir_or_raise(self.alarms_dir, "alarms"):
             if not name.endswith(".json") or name.startswith("."):
                 continue
             path = self.alarms_dir / name
@@ -293,7 +285,7 @@ class RunDir:
     def unreadable_alarms(self) -> dict[str, str]:
         """Alarm files (by name without .json) that `read_alarm` refuses, with the reason."""
         bad: dict[str, str] = {}
-        for name in _listdir(self.alarms_dir, "alarms"):
+        for name in listdir_or_raise(self.alarms_dir, "alarms"):
             if not name.endswith(".json") or name.startswith("."):
                 continue
             try:
@@ -325,7 +317,7 @@ class RunDir:
     def lost_alarms(self) -> list[LostAlarm]:
         """Alarms the guard could not write (see `mark_lost_alarm`)."""
         out = []
-        for name in _listdir(self.root, "records"):
+        for name in listdir_or_raise(self.root, "records"):
             m = _LOST_ALARM.match(name)
             if m:
                 upto = m.group("upto")
@@ -335,7 +327,7 @@ class RunDir:
     def handled_ids(self) -> set[str]:
         return {
             name[: -len(".json")]
-            for name in _listdir(self.handled_dir, "handled alarms")
+            for name in listdir_or_raise(self.handled_dir, "handled alarms")
             if name.endswith(".json") and not name.startswith(".")
         }
 
@@ -369,7 +361,7 @@ class RunDir:
         """
         metas: list[CheckpointMeta] = []
         damaged: dict[int, str] = {}
-        for name in _listdir(self.checkpoints_dir, "checkpoints"):
+        for name in listdir_or_raise(self.checkpoints_dir, "checkpoints"):
             step = _step_of(name)
             if step is None:
                 continue
@@ -397,7 +389,7 @@ class RunDir:
         """Move every checkpoint newer than `step` aside, never deleting one."""
         moved: list[str] = []
         target = self.quarantine_dir / alarm_id
-        for name in _listdir(self.checkpoints_dir, "checkpoints"):
+        for name in listdir_or_raise(self.checkpoints_dir, "checkpoints"):
             ckpt_step = _step_of(name)
             if ckpt_step is not None and ckpt_step > step:
                 target.mkdir(parents=True, exist_ok=True)
@@ -411,7 +403,7 @@ class RunDir:
         Only safe while this job holds the lock: no other job can be writing one.
         """
         removed = []
-        for name in _listdir(self.checkpoints_dir, "checkpoints"):
+        for name in listdir_or_raise(self.checkpoints_dir, "checkpoints"):
             if name.startswith(STAGING_PREFIX) and (keep is None or not name.endswith(keep)):
                 shutil.rmtree(self.checkpoints_dir / name, ignore_errors=True)
                 removed.append(name)
@@ -444,7 +436,7 @@ class RunDir:
         """handled/<alarm_id>.json records, type-checked, oldest first; never raises."""
         out: list[dict[str, Any]] = []
         try:
-            names = _listdir(self.handled_dir, "handled alarms")
+            names = listdir_or_raise(self.handled_dir, "handled alarms")
         except RunDirError as exc:
             logger.warning("%s", exc)
             return out
@@ -499,327 +491,3 @@ def _scalar(v: Any) -> Any:
         return json.dumps(v, sort_keys=True)[:200]
     except (TypeError, ValueError, RecursionError):
         return "?"
-
-
-# ---------------------------------------------------------------------- identity
-
-
-def establish_identity(rd: RunDir, *, job_id: str | None, fresh: bool) -> str:
-    """The run's id from identity.json, creating it on a run directory's first start.
-
-    Refused (RunDirError) when the directory is not the one earlier starts used: identity.json
-    unreadable, or gone while run.json (written by an earlier start) names a run id, or the two
-    disagree. That is a run directory deleted and recreated, replaced by another run's, or a
-    mount that is missing. With `fresh` a new identity replaces the old one.
-    """
-    recorded: str | None = None
-    with contextlib.suppress(RecordError):
-        run = read_json_file(rd.run_file)
-        if isinstance(run, dict) and isinstance(run.get("run_id"), str):
-            recorded = run["run_id"]
-    try:
-        obj = read_json_file(rd.identity_file)
-        run_id = obj.get("run_id") if isinstance(obj, dict) else None
-        if not isinstance(run_id, str) or not re.fullmatch(r"[0-9a-f]{8,64}", run_id):
-            raise RecordError(f"{rd.identity_file}: no valid 'run_id'")
-    except RecordError as exc:
-        missing = not os.path.lexists(rd.identity_file)
-        if fresh:
-            logger.warning("%s=fresh: replacing the run directory's identity", RESUME_ENV)
-            if not missing:
-                os.replace(
-                    rd.identity_file, rd.root / f".{IDENTITY_FILE}.replaced-{time.time():.0f}"
-                )
-            return _create_identity(rd, job_id)
-        if not missing:
-            raise RunDirError(
-                f"the run's identity cannot be read ({str(exc)[:200]}): is this the directory "
-                f"earlier starts used? {OVERRIDE_HINT}"
-            ) from None
-        if recorded is not None:
-            raise RunDirError(
-                f"{rd.identity_file} is gone but run.json names run {recorded[:16]}: not the "
-                "directory earlier starts used (recreated, restored in part, or a shared "
-                f"filesystem not mounted here). Check the path and the mount. {OVERRIDE_HINT}"
-            ) from None
-        return _create_identity(rd, job_id)
-    if recorded is not None and recorded != run_id and not fresh:
-        raise RunDirError(
-            f"{rd.root}: run.json names run {recorded[:16]}, identity.json {run_id[:16]}: "
-            f"files of two runs are mixed in one directory. {OVERRIDE_HINT}"
-        )
-    return run_id
-
-
-def _create_identity(rd: RunDir, job_id: str | None) -> str:
-    run_id = os.urandom(8).hex()
-    try:
-        atomic_write_json(
-            rd.identity_file,
-            {"schema": 1, "run_id": run_id, "created": time.time(), "job_id": job_id},
-            overwrite=False,
-        )
-    except FileExistsError:
-        obj = read_json_file(rd.identity_file)
-        return str(obj["run_id"])
-    return run_id
-
-
-def identity_stamp(rd: RunDir) -> tuple[int, int, int, int]:
-    """(device, inode) of the run directory and of checkpoints/, as this process sees them."""
-    a, b = os.stat(rd.root), os.stat(rd.checkpoints_dir)
-    return (a.st_dev, a.st_ino, b.st_dev, b.st_ino)
-
-
-def check_unchanged(rd: RunDir, stamp: tuple[int, int, int, int], run_id: str) -> str | None:
-    """None if the run directory is still the one this start began with; else what changed.
-
-    Called before each save: a directory removed (`rm -rf`) and recreated, or a shared
-    filesystem unmounted under a path that still exists, must not receive checkpoints that
-    later starts would trust.
-    """
-    try:
-        now = identity_stamp(rd)
-    except OSError as exc:
-        return f"{rd.root} or its checkpoints/ is gone ({exc.strerror})"
-    if now != stamp:
-        return f"{rd.root} was replaced (another directory now has its path)"
-    try:
-        obj = read_json_file(rd.identity_file)
-    except RecordError as exc:
-        return f"its identity is gone ({exc})"
-    if not isinstance(obj, dict) or obj.get("run_id") != run_id:
-        return f"{rd.identity_file} now names another run"
-    return None
-
-
-# ---------------------------------------------------------------------- markers
-
-
-def marker_path(rd: RunDir, attempt: str, rank: int) -> Path:
-    return rd.markers_dir / attempt / f"rank-{rank}"
-
-
-def prepare_markers(rd: RunDir, attempt: str) -> None:
-    """Rank 0: a fresh marker directory for this attempt; earlier attempts' are removed."""
-    for name in _listdir(rd.markers_dir, "markers"):
-        if name != attempt:
-            shutil.rmtree(rd.markers_dir / name, ignore_errors=True)
-    (rd.markers_dir / attempt).mkdir(parents=True, exist_ok=True)
-
-
-def write_marker(rd: RunDir, attempt: str, rank: int, run_id: str) -> str | None:
-    """Every rank: leave a marker; None on success, else why it could not."""
-    try:
-        path = marker_path(rd, attempt, rank)
-        path.write_text(run_id)
-    except OSError as exc:
-        return f"cannot write {rd.markers_dir / attempt} ({exc.strerror})"
-    return None
-
-
-MARKER_RETRIES_S = (0.5, 1.0, 2.0, 4.0)
-
-
-def markers_seen(rd: RunDir, attempt: str, world_size: int) -> int:
-    """How many of the ranks' markers this rank sees.
-
-    One directory listing when all is well. A listing can be stale on NFS (directory attribute
-    caching), so a marker it misses is looked up by name, which a client does not answer from
-    an old listing, and, if still missing, again after growing pauses (~7 s in all) before the
-    rank reports it unseen.
-    """
-    directory = rd.markers_dir / attempt
-    try:
-        names = set(os.listdir(directory))
-    except OSError:
-        names = set()
-    missing = [r for r in range(world_size) if f"rank-{r}" not in names]
-    for pause in (0.0, *MARKER_RETRIES_S):
-        if not missing:
-            break
-        time.sleep(pause)
-        missing = [r for r in missing if not os.path.lexists(directory / f"rank-{r}")]
-    return world_size - len(missing)
-
-
-def markers_problem(seen: list[int], nodes: list[str], root: Path) -> str | None:
-    """The start-up error if some rank did not see every rank's marker, naming who."""
-    world = len(seen)
-    blind = [r for r, n in enumerate(seen) if n != world]
-    if not blind:
-        return None
-    who = ", ".join(f"rank {r} ({nodes[r]}) sees {seen[r]} of {world}" for r in blind[:8])
-    more = f" and {len(blind) - 8} more ranks" if len(blind) > 8 else ""
-    return (
-        f"the ranks do not share the run directory {root}: every rank wrote a marker into it "
-        f"and {who}{more}. It must be one directory on a filesystem that every node mounts at "
-        "the same path (not node-local disk such as /tmp or a missing mount)"
-    )
-
-
-# ---------------------------------------------------------------------- lock
-
-
-@dataclass(frozen=True)
-class LockHolder:
-    job_id: str | None
-    restart_count: int
-    attempt: str
-    host: str
-    pid: int
-
-
-def _fs_now(directory: Path) -> float:
-    """The file server's clock: the mtime of a file created now (node clocks may differ)."""
-    probe = directory / f".clock-{os.getpid()}-{time.monotonic_ns()}"
-    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        return os.fstat(fd).st_mtime
-    finally:
-        os.close(fd)
-        os.unlink(probe)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's live process
-    return True
-
-
-def stale_reason(holder: LockHolder | None, age: float, me: LockHolder) -> str | None:
-    """Why the lock's holder is dead (so the lock may be taken over), or None if it may live.
-
-    The rule, in order: the same process (an earlier Guard object) or a process of this host
-    that no longer exists; an earlier incarnation (lower restart count) of this very Slurm job,
-    which Slurm ended before the requeue; a heartbeat older than STALE_AFTER_S. A lock file that
-    cannot be parsed is judged by its heartbeat alone.
-    """
-    if holder is not None:
-        if holder.host == me.host and holder.pid == me.pid:
-            return "an earlier Guard of this process"
-        if holder.host == me.host and not _pid_alive(holder.pid):
-            return f"process {holder.pid} on this host has exited"
-        if (
-            holder.job_id is not None
-            and holder.job_id == me.job_id
-            and holder.restart_count < me.restart_count
-        ):
-            return f"restart {holder.restart_count} of this job ended before this restart"
-    if age > STALE_AFTER_S:
-        return f"no heartbeat for {age:.0f} s"
-    return None
-
-
-class RunLock:
-    """One job per run directory: `guard.lock`, held by rank 0, refreshed by a heartbeat.
-
-    The file holds the holder's job id, restart count, attempt, host and pid; its mtime is the
-    heartbeat, refreshed every HEARTBEAT_S by a daemon thread. See `stale_reason` for when a
-    lock is taken over.
-    """
-
-    def __init__(self, rd: RunDir, me: LockHolder) -> None:
-        self.rd = rd
-        self.me = me
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    @classmethod
-    def acquire(
-        cls, rd: RunDir, *, job_id: str | None, restart_count: int, attempt: str
-    ) -> RunLock:
-        me = LockHolder(job_id, restart_count, attempt, socket.gethostname(), os.getpid())
-        lock = cls(rd, me)
-        for _ in range(5):
-            try:
-                atomic_write_json(rd.lock_file, me.__dict__, overwrite=False)
-            except FileExistsError:
-                pass
-            else:
-                lock._start_heartbeat()
-                return lock
-            holder, age = lock._read_holder()
-            if holder is not None and holder.attempt == attempt:
-                lock._start_heartbeat()
-                return lock
-            reason = stale_reason(holder, age, me)
-            if reason is None:
-                who = (
-                    f"job {holder.job_id or '(none)'} restart {holder.restart_count}, host "
-                    f"{holder.host}, pid {holder.pid}"
-                    if holder is not None
-                    else "an unreadable lock"
-                )
-                raise RunDirError(
-                    f"run directory {rd.root} is in use by {who} (heartbeat {age:.0f} s ago): "
-                    "one job per run directory. Give this job its own, or stop the other. A "
-                    f"dead job's lock is taken over after {STALE_AFTER_S:.0f} s without "
-                    f"heartbeat; to take it now, delete {rd.lock_file}."
-                )
-            aside = rd.root / f".{LOCK_FILE}.stale-{attempt}"
-            try:
-                os.replace(rd.lock_file, aside)  # one contender wins; the other retries
-                os.unlink(aside)
-            except FileNotFoundError:
-                continue
-            logger.warning(
-                "run directory %s: taking over the lock of %s: %s",
-                rd.root,
-                holder or "an unreadable lock file",
-                reason,
-            )
-        raise RunDirError(f"could not take the lock {rd.lock_file}: other jobs keep taking it")
-
-    def _read_holder(self, *, with_age: bool = True) -> tuple[LockHolder | None, float]:
-        """The holder (None if unreadable) and its heartbeat's age (0 unless `with_age`)."""
-        try:
-            mtime = os.lstat(self.rd.lock_file).st_mtime
-            age = _fs_now(self.rd.root) - mtime if with_age else 0.0
-        except FileNotFoundError:
-            return None, math.inf
-        try:
-            obj = read_json_file(self.rd.lock_file)
-            holder = LockHolder(
-                job_id=obj["job_id"] if isinstance(obj["job_id"], str) else None,
-                restart_count=int(obj["restart_count"]),
-                attempt=str(obj["attempt"]),
-                host=str(obj["host"]),
-                pid=int(obj["pid"]),
-            )
-        except (RecordError, KeyError, TypeError, ValueError, OverflowError):
-            return None, age
-        return holder, age
-
-    def held(self) -> bool:
-        """Whether the lock file still names this attempt (another job may have taken it)."""
-        holder, _ = self._read_holder(with_age=False)
-        return holder is not None and holder.attempt == self.me.attempt
-
-    def _start_heartbeat(self) -> None:
-        self._thread = threading.Thread(
-            target=self._beat, name=f"slurm-guard-lock-{self.me.attempt}", daemon=True
-        )
-        self._thread.start()
-        atexit.register(self.release)
-
-    def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
-            try:
-                if not self.held():
-                    logger.error("run directory %s: the lock was taken over", self.rd.root)
-                    return
-                os.utime(self.rd.lock_file)
-            except OSError as exc:
-                logger.warning("lock heartbeat failed: %s", exc)
-
-    def release(self) -> None:
-        """Remove the lock if it is still ours (at exit; a crash leaves it to go stale)."""
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            if self.held():
-                os.unlink(self.rd.lock_file)

@@ -201,7 +201,7 @@ def test_lost_alarm_marks_round_trip(tmp_path: Path) -> None:
 
 
 def test_lock_staleness_rule() -> None:
-    from slurm_guard.rundir import STALE_AFTER_S, LockHolder, stale_reason
+    from slurm_guard.run_lock import STALE_AFTER_S, LockHolder, stale_reason
 
     me = LockHolder("7", 2, "aaaa", "hostA", os.getpid())
     sleeper = subprocess.Popen(["sleep", "60"])
@@ -230,7 +230,8 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
 ) -> None:
     import socket
 
-    from slurm_guard.rundir import RunDirError, RunLock
+    from slurm_guard.run_lock import RunLock
+    from slurm_guard.rundir import RunDirError
 
     rd = RunDir(tmp_path)
     sleeper = subprocess.Popen(["sleep", "60"])
@@ -242,7 +243,7 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
     finally:
         sleeper.kill()
         sleeper.wait()
-    with caplog.at_level("WARNING", logger="slurm_guard.rundir"):
+    with caplog.at_level("WARNING", logger="slurm_guard.run_lock"):
         lock = RunLock.acquire(rd, job_id="6", restart_count=0, attempt="mine")
     assert "taking over the lock" in caplog.text and "has exited" in caplog.text
     assert lock.held() and json.loads(rd.lock_file.read_text())["attempt"] == "mine"
@@ -252,7 +253,8 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
 
 def test_identity_is_created_once_and_a_lost_one_is_refused(tmp_path: Path) -> None:
     from slurm_guard.records import atomic_write_json
-    from slurm_guard.rundir import RunDirError, establish_identity
+    from slurm_guard.run_identity import establish_identity
+    from slurm_guard.rundir import RunDirError
 
     rd = RunDir(tmp_path)
     first = establish_identity(rd, job_id=None, fresh=False)
@@ -316,7 +318,12 @@ def test_a_checkpoint_meta_for_another_step_is_damaged(tmp_path: Path) -> None:
 
 
 def test_markers_name_the_ranks_that_do_not_see_every_marker(tmp_path: Path) -> None:
-    from slurm_guard.rundir import markers_problem, markers_seen, prepare_markers, write_marker
+    from slurm_guard.run_identity import (
+        markers_problem,
+        markers_seen,
+        prepare_markers,
+        write_marker,
+    )
 
     rd = RunDir(tmp_path)
     prepare_markers(rd, "old")
