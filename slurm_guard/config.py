@@ -65,6 +65,11 @@ class GuardConfig:
             terms); a clean GEMM exceeds it with probability <= 2 exp(-lambda^2 / 2).
         abft_block: rows per checksum block. Smaller blocks detect smaller errors and cost a
             larger checksum GEMM (1/abft_block of the one checked).
+        triage_seconds: at an `sdc` alarm from a replay comparison or a checked GEMM, the
+            suspect rank repeats the failing microbatch (up to 3 times) for at most this many
+            seconds (and at most half of `watchdog_seconds`), a rank on another node once, and
+            the alarm records how many repeats reproduced the wrong result (`evidence.triage`):
+            persistent or transient. The other ranks wait meanwhile. 0 turns it off.
     """
 
     replay_every: int = 10
@@ -84,6 +89,7 @@ class GuardConfig:
     abft: bool = False
     abft_margin: float = 10.0
     abft_block: int = 32
+    triage_seconds: float = 20.0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -132,6 +138,11 @@ class GuardConfig:
                 f"default 10 means a false alarm needs a 10-sigma rounding error) and "
                 f"abft_block={self.abft_block!r} from 1 to 4096 rows (default 32)"
             )
+        if not 0 <= self.triage_seconds <= 3600:
+            raise ConfigError(
+                f"GuardConfig.triage_seconds={self.triage_seconds!r}: must be from 0 (off) to "
+                "3600; the default 20 repeats a tiny step 3 times and a large one at least once"
+            )
         object.__setattr__(self, "faults", tuple(self.faults))
 
     def _check_types(self) -> None:
@@ -153,7 +164,13 @@ class GuardConfig:
                 raise ConfigError(
                     f"GuardConfig.{name}={value!r}: must be an integer, not {type(value).__name__}"
                 )
-        for name in ("tolerance_margin", "initial_tolerance", "watchdog_seconds", "abft_margin"):
+        for name in (
+            "tolerance_margin",
+            "initial_tolerance",
+            "watchdog_seconds",
+            "abft_margin",
+            "triage_seconds",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(
@@ -208,5 +225,6 @@ class GuardConfig:
             "abft": self.abft,
             "abft_margin": self.abft_margin,
             "abft_block": self.abft_block,
+            "triage_seconds": self.triage_seconds,
             "faults": [f.describe() for f in self.faults],
         }

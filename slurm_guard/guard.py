@@ -77,6 +77,7 @@ from slurm_guard.rundir import (
 )
 from slurm_guard.setup_checks import announce_faults, check_same_setup, warn_small_world
 from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
+from slurm_guard.triage import triage_alarm
 from slurm_guard.verdicts import Finding
 from slurm_guard.verification import Verifier
 
@@ -417,7 +418,9 @@ class Guard:
             self.last_verified_step = step
             self.verified_steps.append(step)
         if result.finding is not None:
-            self._alarm(result.finding, step, update_applied=False)
+            # the suspect repeats the failing microbatch first: persistent or transient
+            finding = triage_alarm(self.verifier, result.finding, captured, step)
+            self._alarm(finding, step, update_applied=False)
         if not result.skip_update:
             if self.scaler is not None:
                 self.scaler.step(self.optimizer)  # skips the update itself on an overflow
