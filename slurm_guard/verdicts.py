@@ -303,19 +303,29 @@ def judge_vote(fingerprints: list[int], what: str = "weights") -> Finding | None
     )
 
 
-def conservation_bound(l1_norms: list[float], unit_roundoff: float, largest_bucket: int) -> float:
+def conservation_bound(
+    l1_norms: list[float],
+    unit_roundoff: float,
+    largest_bucket: int,
+    buckets: int = 1,
+    elements: int = 0,
+    underflow: float = 0.0,
+) -> float:
     """How far the averaged sketch may drift from the mean of the local sketches by rounding.
 
-    Each averaged element is fl(fl(sum over ranks of g_ri) / W). Summing W values in the
-    gradient's precision errs by at most (W - 1) u sum_r |g_ri|, dividing by W adds u |result|,
-    so |avg_i - mean_r g_ri| <= u sum_r |g_ri| (to first order). With r_i = +-1 the sketch error
-    is at most u times the sum of the ranks' L1 norms. The float64 sketches add their own
-    summation error, (log2(n) + 1) 2^-53 per L1 norm for the blocked/pairwise sums torch uses.
-    A factor 2 covers the second-order terms.
+    W ranks, u the gradient dtype's unit roundoff, u64 = 2^-53, d = bit_length of the largest
+    bucket, B buckets and n elements per step (derivation: benchmarks/README.md, "Rounding
+    bound"). The all-reduce errs by at most u sum_r L1_r on the +-1 sketch, plus n W eta when
+    fp16/bf16 buckets are divided before the sum (eta: half the smallest subnormal, what one
+    underflowing division can lose). The fused kernel's fixed float64 tree errs by d u64 per L1
+    on each sketch, adding B bucket sketches by B u64, averaging W sketches by W u64. A factor 2
+    covers the second-order terms.
     """
     total = sum(l1_norms)
-    float64_error = (max(largest_bucket, 2).bit_length() + 1) * 2.0**-53 * total * 2
-    return 2.0 * unit_roundoff * total + float64_error
+    world = max(len(l1_norms), 1)
+    depth = max(largest_bucket, 2).bit_length() + 1
+    float64_error = (2 * depth + 2 * buckets + world) * 2.0**-53 * total / world
+    return 2.0 * (unit_roundoff * total + float64_error) + elements * world * underflow
 
 
 def judge_reduction(

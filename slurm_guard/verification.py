@@ -408,12 +408,20 @@ class Verifier:
 
     def _judge_reduction(self, rows: list[list[int]], verify: bool) -> Finding | None:
         l1 = [bits_to_float(r[LOCAL_L1]) for r in rows]
-        unit_roundoff = torch.finfo(self.params[0].dtype).eps / 2
+        finfo = torch.finfo(self.params[0].dtype)
+        bound = conservation_bound(
+            l1,
+            finfo.eps / 2,
+            self.hook.largest_bucket,
+            buckets=self.hook.buckets,
+            elements=self.hook.elements,
+            underflow=finfo.smallest_normal * finfo.eps / 2,
+        )
         return judge_reduction(
             [bits_to_float(r[LOCAL_SKETCH]) for r in rows],
             l1,
             [r[REDUCED_SKETCH] for r in rows],
-            conservation_bound(l1, unit_roundoff, self.hook.largest_bucket),
+            bound,
             [r[REDUCED_GRAD] for r in rows] if verify else None,
         )
 

@@ -125,3 +125,22 @@ def test_reduction_consistency_and_conservation() -> None:
     )
     f = judge_reduction([1.0, 1.0, 4.0], [3.0] * 3, [bits] * 3, bound=1e-6)
     assert f is not None and (f.check, f.verdict) == ("conservation", "ambiguous")
+
+
+def test_conservation_bound_counts_fp16_underflow_and_buckets() -> None:
+    """fp16/bf16 buckets are divided before the all-reduce: each division may lose up to half
+    the smallest subnormal, which no relative term covers; more buckets add float64 sums."""
+    import pytest
+    import torch
+
+    from slurm_guard.verdicts import conservation_bound
+
+    half = torch.finfo(torch.float16)
+    eta = half.smallest_normal * half.eps / 2
+    assert eta == 2.0**-25
+    base = conservation_bound([1.0, 1.0], half.eps / 2, 1000)
+    with_underflow = conservation_bound([1.0, 1.0], half.eps / 2, 1000, elements=10, underflow=eta)
+    assert with_underflow - base == pytest.approx(10 * 2 * eta)
+    assert conservation_bound([1.0, 1.0], 2.0**-53, 1000, buckets=100) > conservation_bound(
+        [1.0, 1.0], 2.0**-53, 1000, buckets=1
+    )
