@@ -12,6 +12,7 @@ from workers import SMALL, run_scenarios
 
 import slurm_guard as sg
 from slurm_guard.config import ConfigError
+from slurm_guard.evidence import node_history
 from slurm_guard.local_launch import run_local
 from slurm_guard.protocol import Check, Verdict
 from slurm_guard.records import RankInfo
@@ -201,7 +202,62 @@ def test_alarm_says_whether_the_fault_reproduces(tmp_path: Path) -> None:
         disputed["replay_grad_fingerprint"]
     }
     assert disputed["owner_grad_fingerprint"] != disputed["replay_grad_fingerprint"]
+    # what `slurm-guard review` shows per node: the journal keeps the alarm's evidence
+    entry = {**alarms["persistent"], "time": 1.0, "outcome": "act"}
+    (shown,) = node_history([entry], set(), "node2")
+    assert shown["confirmed"] and shown["triage"] == exact
+
     tolerant = alarms["tol-persistent"]["evidence"]["triage"]
     assert all(r["discrepancy"] > tolerant["tolerance"] for r in tolerant["suspect_runs"])
     tol_one_off = alarms["tol-one-off"]["evidence"]["triage"]
     assert all(r["discrepancy"] <= tol_one_off["tolerance"] for r in tol_one_off["suspect_runs"])
+
+
+# ---------------------------------------------------------------- the real local cluster
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_on_a_real_cluster_a_persistent_fault_reproduces_and_a_one_off_does_not(
+    idle_slurm_cluster: Any, slurm_client: Any, tmp_path: Path
+) -> None:
+    """Two guarded 3-node jobs under sbatch (submitit), a fault on rank 1's node: persistent from
+    step 7 (alarm at the replay of step 10: reproduced n of n) and one-off at step 10 (the same
+    alarm step: reproduced 0 of n). The alarm files are what the controller reads."""
+    from slurm_utils import wait_for
+
+    from slurm_guard.examples.train import TrainSettings, slurm_task
+    from slurm_guard.records import read_alarm
+    from slurm_guard.rundir import RunDir
+    from slurm_guard.slurm.launch import launch
+
+    faults = {
+        "persistent": "kind=grad-scale,node=@rank1,step=7,persistent=1,param=10",
+        "one-off": "kind=grad-scale,node=@rank1,step=10,param=10",
+    }
+    jobs = {}
+    for name, inject in faults.items():
+        run_dir = tmp_path / name
+        settings = TrainSettings(run_dir=str(run_dir), steps=14, checkpoint_every=5, inject=inject)
+        job = launch(
+            slurm_task, settings, nodes=3, run_dir=run_dir, job_name=f"sg-triage-{name}", time=30
+        )
+        jobs[name] = (str(job.job_id), run_dir)
+    ended = {"FAILED", "COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
+    for name, (job_id, run_dir) in jobs.items():
+        info = wait_for(
+            lambda j=job_id: (i := slurm_client.job(j)) is not None and i.state in ended and i,
+            600,
+            f"the {name} job to stop",
+        )
+        assert info.state == "FAILED", (name, info)
+        (path,) = RunDir(run_dir).alarms_dir.glob("*.json")
+        alarm = read_alarm(path)
+        assert (alarm.step, alarm.check, alarm.verdict) == (10, "replay", "sdc"), alarm.message
+        triage = alarm.evidence["triage"]
+        (suspect,) = alarm.suspect_nodes
+        assert triage["suspect_node"] == suspect and triage["witness"]["node"] != suspect
+        assert 1 <= triage["runs"] <= MAX_RUNS
+        expected = triage["runs"] if name == "persistent" else 0
+        assert triage["reproduced"] == expected, (name, triage)
+        assert f"reproduced {expected} of {triage['runs']}" in alarm.message
