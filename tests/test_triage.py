@@ -3,11 +3,13 @@ node computes it once, and the alarm says how often the wrong result came back."
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from triage_workers import triage_raises
 from workers import SMALL, run_scenarios
 
 import slurm_guard as sg
@@ -213,6 +215,25 @@ def test_alarm_says_whether_the_fault_reproduces(tmp_path: Path) -> None:
     assert all(r["discrepancy"] <= tol_one_off["tolerance"] for r in tol_one_off["suspect_runs"])
 
 
+@pytest.mark.distributed
+def test_a_triage_that_fails_is_recorded_and_the_alarm_still_stops_every_rank(
+    tmp_path: Path,
+) -> None:
+    outcomes = run_local(triage_raises, 3, args=(str(tmp_path),), nodes=NODES)
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+    alarm = outcomes[0].value
+    assert alarm is not None and all(o.value == alarm for o in outcomes)
+    assert (alarm["step"], alarm["verdict"], alarm["suspect_ranks"]) == (10, "sdc", [FAULTY])
+    triage = alarm["evidence"]["triage"]
+    assert "reproduced" not in triage and "runs" not in triage
+    assert triage["suspect"] == FAULTY
+    # the other ranks learnt which rank failed and why, instead of waiting for it
+    assert "rank 1 (node2)" in triage["error"] and "out of memory" in triage["error"]
+    assert "triage" not in alarm["message"]
+    (path,) = (tmp_path / "alarms").glob("*.json")
+    assert json.loads(path.read_text())["evidence"]["triage"] == triage
+
+
 # ---------------------------------------------------------------- the real local cluster
 
 
@@ -244,12 +265,13 @@ def test_on_a_real_cluster_a_persistent_fault_reproduces_and_a_one_off_does_not(
         )
         jobs[name] = (str(job.job_id), run_dir)
     ended = {"FAILED", "COMPLETED", "CANCELLED", "TIMEOUT", "NODE_FAIL"}
+
+    def stopped(job_id: str) -> Any:
+        info = slurm_client.job(job_id)
+        return info if info is not None and info.state in ended else None
+
     for name, (job_id, run_dir) in jobs.items():
-        info = wait_for(
-            lambda j=job_id: (i := slurm_client.job(j)) is not None and i.state in ended and i,
-            600,
-            f"the {name} job to stop",
-        )
+        info = wait_for(functools.partial(stopped, job_id), 600, f"the {name} job to stop")
         assert info.state == "FAILED", (name, info)
         (path,) = RunDir(run_dir).alarms_dir.glob("*.json")
         alarm = read_alarm(path)
