@@ -3,21 +3,26 @@
 For each world size W (2..8 local gloo processes, each rank its own "node" via SLURMD_NODENAME)
 the checks' communication is timed with the guard's own code paths and tensor sizes:
 
-* verdict gather: `Verifier._gather` (one all_gather of ROW = 12 int64 per rank, every step),
-  including its Python post-processing of the W rows;
-* weight vote: the same gather with one int64 (every `vote_every` steps);
-* ring replay exchange: `replay.exchange` with a real captured TinyGPT batch (point-to-point:
-  8-byte size, then the packed batch, to one replayer on another node; every `replay_every`
-  steps);
-* conservation sketch: the comm hook's `_sketch` + L1 norm of one bucket of the model's gradient
-  size (local compute only: its three numbers ride in the verdict gather's row);
+* verdict gather: `Collective.all_gather_rows` (slurm_guard.collective) of the `check_step` row,
+  ROW = 15 int64 per rank, every step: one all_gather_into_tensor and one host read of the W rows;
+* watchdog arrival: `Collective.arrive` (every step, and before a verification's verdicts): per
+  rank one set, one add, one wait and one get on the TCPStore that rank 0 hosts;
+* weight vote: `Verifier.vote` (one int64 per rank through `all_gather_rows`, `judge_vote`; every
+  `vote_every` steps);
+* ring replay exchange: `replay.exchange` through the Collective with a real captured TinyGPT
+  batch (point-to-point: 8-byte size, then the packed batch, to one replayer on another node;
+  every `replay_every` steps);
+* bucket check: the comm hook's fused kernel (`kernels.bucket.bucket_check`: sketch, L1 norm and
+  finite flag in one pass) on the local bucket, and again (its sketch) on the averaged bucket, of
+  the model's gradient size (local compute only: its numbers ride in the verdict gather's row);
 * the O(1) alternative (not implemented in the guard): two all-reduces of a few int64
   (SUM of counts/flags/sketch terms, MAX of [x, -x] for min/max agreement), with an all-gather
   only after a failed fast path.
 
 Bytes per rank are computed from the code paths (ring all-gather: W-1 blocks sent and received
-per rank, gloo and NCCL alike). The verdict functions that run on the gathered rows (pure Python,
-O(W) per step) are timed in this process at the target world size itself (8,192 rows), and the
+per rank, gloo and NCCL alike). The Python that decodes and judges the gathered rows (O(W) per
+step: the host read's tolist(), `bits_to_float`, `Verifier._judge_reduction`, `_judge_replays`,
+`judge_vote`) is timed in this process at the target world size itself (8,192 rows), and the
 communication terms are extrapolated from the per-hop cost fitted to the measured 2..8 runs.
 
     python benchmarks/scaling.py             # W = 2..8, 7 rounds
@@ -39,12 +44,16 @@ import torch.distributed as dist
 from _common import median, table, write_json
 
 from slurm_guard import verification as ver
+from slurm_guard.collective import Collective
+from slurm_guard.config import GuardConfig
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, make_batch
-from slurm_guard.hooks import SignVectors, _sketch
+from slurm_guard.fingerprint import Fingerprinter
+from slurm_guard.hooks import HookState, SignVectors
+from slurm_guard.kernels.bucket import backend, bucket_check
 from slurm_guard.records import RankInfo
-from slurm_guard.replay import capture, exchange, pack
+from slurm_guard.replay import Captured, ReplayOutput, capture, exchange, pack
 from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
-from slurm_guard.verdicts import judge_vote
+from slurm_guard.verdicts import bits_to_float, judge_reduced_nonfinite, judge_vote
 
 # The step_overhead.py model and batch, so the replay payload is the one timed there.
 MODEL = TinyGPTConfig(vocab=64, context=64, width=256, heads=4, layers=4, dropout=0.1)
@@ -54,20 +63,45 @@ TARGET_NODES, TARGET_GPUS = 1024, 8
 TARGET_W = TARGET_NODES * TARGET_GPUS
 I64 = 8
 ASSUMED_HOP_S = 5e-6  # a typical inter-node small-message latency; NOT measured here
+WATCHDOG_S = 300.0  # GuardConfig's default: the arrival check is on in every guarded run
+STORE_REQUESTS = 4  # per rank and round: set, add, wait, get (the last arriver also compare_set)
 # O(1) alternative: SUM of [local non-finite, reduced non-finite, replay mismatches, local
 # sketch, local L1] (the float64 terms as a second float64 all-reduce in practice; 5 words in
 # all) and MAX of [reduced sketch, -reduced sketch, reduced grad fp, -reduced grad fp] (min/max
-# agreement in one call). Vote: MAX of [fp, -fp].
+# agreement in one call). Vote: MAX of [fp, -fp]. (Today's row also carries a replay-failed flag
+# and the checked GEMMs' worst ratio: one more SUM and one more MAX word; not counted here.)
 ALT_SUM_WORDS, ALT_MAX_WORDS, ALT_VOTE_WORDS = 5, 4, 2
-CHECKS = ("verdict gather", "weight vote", "ring replay exchange", "conservation sketch")
+CHECKS = (
+    "verdict gather",
+    "watchdog arrival",
+    "weight vote",
+    "ring replay exchange",
+    "bucket check",
+)
 
 
-def _gather(row: list[int], world: int) -> list[list[int]]:
-    """`Verifier._gather` without a Guard: the same tensors, collective and post-processing."""
-    mine = torch.tensor(row, dtype=torch.int64)
-    out = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine)
-    return [[int(v) for v in t.tolist()] for t in out]
+def _no_replay(captured: Captured) -> ReplayOutput:
+    raise AssertionError("the benchmark's Verifier never replays")
+
+
+def _no_ledger(step: int, check: object, ok: bool, detail: dict[str, object]) -> None:
+    """The ledger is written on rank 0 only, outside the timed collectives."""
+
+
+def _verifier(
+    comm: Any, topology: Topology, params: list[torch.nn.Parameter], hook: HookState
+) -> ver.Verifier:
+    """A Verifier from the guard's own parts (no model: nothing is replayed here)."""
+    return ver.Verifier(
+        comm=comm,
+        topology=topology,
+        fingerprinter=Fingerprinter(1234),
+        hook=hook,
+        replay=_no_replay,
+        config=GuardConfig(),
+        ledger=_no_ledger,
+        params=params,
+    )
 
 
 def _alt_allreduce(sum_words: int, max_words: int) -> None:
@@ -82,27 +116,35 @@ def _alt_allreduce(sum_words: int, max_words: int) -> None:
 
 def _worker(rounds: int) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
-    cpu = torch.device("cpu")
-    topology = Topology.build(gather_rank_infos(local_rank_info(rank), None, cpu))
+    me = local_rank_info(rank)
+    comm = Collective(None, me.node, WATCHDOG_S)
+    topology = Topology.build(gather_rank_infos(me, comm=comm))
     pairs = [(o, topology.replayer[o]) for o in range(world)]
     captured = capture(make_batch(0, rank, MODEL, batch_size=BATCH))
     payload_bytes = int(pack(captured).numel())
     numel = sum(p.numel() for p in TinyGPT(MODEL).parameters())
     bucket = torch.randn(numel)
     signs = SignVectors(1234)
-    hook_state = types.SimpleNamespace(signs=signs)
-    row = [rank] * ver.ROW
+    fingerprinter = Fingerprinter(1234)
+    hook = HookState(None, world, fingerprinter, signs, {})
+    verifier = _verifier(comm, topology, [torch.nn.Parameter(torch.zeros(1))], hook)
+    row = torch.full((ver.ROW,), rank, dtype=torch.int64, device=comm.device)
+    step = [0]
 
-    def sketch() -> None:  # per step the hook sketches the local and the averaged gradient
-        _sketch(hook_state, bucket)  # type: ignore[arg-type]
-        torch.linalg.vector_norm(bucket, 1, dtype=torch.float64)
-        _sketch(hook_state, bucket)  # type: ignore[arg-type]
+    def arrival() -> None:
+        step[0] += 1
+        comm.arrive(f"step {step[0]}")
+
+    def check() -> None:  # per step the hook checks the local and the averaged bucket
+        bucket_check(bucket, signs.words)
+        bucket_check(bucket, signs.words)[0]
 
     ops: dict[str, Callable[[], object]] = {
-        "verdict gather": lambda: _gather(row, world),
-        "weight vote": lambda: _gather([rank], world),
-        "ring replay exchange": lambda: exchange(pairs, captured, rank, None, cpu),
-        "conservation sketch": sketch,
+        "verdict gather": lambda: comm.all_gather_rows(row),
+        "watchdog arrival": arrival,
+        "weight vote": lambda: verifier.vote(0, rank),
+        "ring replay exchange": lambda: exchange(pairs, captured, rank, comm),
+        "bucket check": check,
         "alt: all-reduce SUM+MAX": lambda: _alt_allreduce(ALT_SUM_WORDS, ALT_MAX_WORDS),
         "barrier (floor)": lambda: dist.barrier(),
     }
@@ -117,7 +159,7 @@ def _worker(rounds: int) -> dict[str, Any]:
         return (time.perf_counter() - start) / CALLS
 
     names = list(ops)
-    for name in names:  # warm-up: connections, allocator, sign vector
+    for name in names:  # warm-up: connections, allocator, kernel build
         window(ops[name])
     for r in range(rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
@@ -128,7 +170,20 @@ def _worker(rounds: int) -> dict[str, Any]:
         "payload_bytes": payload_bytes,
         "grad_numel": numel,
         "replayer": list(topology.replayer),
+        "bucket_check_backend": backend(torch.device("cpu")),
     }
+
+
+def arrival_bytes(rank: int, what: str = "step 1000000", node: str = "node1000") -> int:
+    """Key and value bytes one rank sends to rank 0's TCPStore per arrival (no framing).
+
+    Prefix "slurm-guard/<12 hex>/<instance>/" on every key; set at/<rank> = "<seq>\t<node>\t<what>",
+    add <seq>/n (8-byte amount), wait <seq>/go, get <seq>/go.
+    """
+    prefix = len("slurm-guard/") + 12 + len("/0/")
+    seq = len(str(1_000_000))
+    keys = [f"at/{rank}", "x" * seq + "/n", "x" * seq + "/go", "x" * seq + "/go"]
+    return sum(prefix + len(k) for k in keys) + seq + len(node) + len(what) + 2 + I64
 
 
 def bytes_per_rank(world: int, payload: int) -> dict[str, dict[str, int]]:
@@ -136,10 +191,12 @@ def bytes_per_rank(world: int, payload: int) -> dict[str, dict[str, int]]:
     ring = world - 1  # ring all-gather: W-1 blocks through every rank
     return {
         "verdict gather": {"sent": ring * ver.ROW * I64, "per": 1},
+        # to rank 0's store, which receives this from every rank: O(W) there
+        "watchdog arrival": {"sent": arrival_bytes(world - 1), "per": 1},
         "weight vote": {"sent": ring * I64, "per": 1},
         # size (8 bytes) then the packed batch + RNG state to exactly one replayer
         "ring replay exchange": {"sent": I64 + payload, "per": 1},
-        "conservation sketch": {"sent": 0, "per": 1},
+        "bucket check": {"sent": 0, "per": 1},
     }
 
 
@@ -152,9 +209,11 @@ def alt_bytes_per_rank(words: int) -> dict[str, int]:
 def verdict_python_at(world: int, nodes: int, repeats: int = 3) -> dict[str, float]:
     """Seconds per step of the O(W) Python the guard runs on the gathered rows, at `world` ranks.
 
-    No communication: the rows are built as a clean step would gather them, and the guard's own
-    functions judge them (Verifier._judge_reduction, _judge_replays, the L1 total of check_step,
-    judge_vote; the gather's allocation of W tensors and its tolist() loop).
+    No communication: the rows are built as a clean verified step would gather them, and the
+    guard's own code decodes and judges them: the gather's host read (`Collective._read`: one
+    tolist() of the W x ROW tensor), then what `Verifier.check_step` runs on the rows (the
+    replay-failed scan, the finite flags, the L1 total, `judge_reduced_nonfinite`,
+    `Verifier._judge_reduction`, `Verifier._judge_replays`), and `judge_vote`.
     """
     per_node = world // nodes
     ranks = [
@@ -164,46 +223,53 @@ def verdict_python_at(world: int, nodes: int, repeats: int = 3) -> dict[str, flo
     t0 = time.perf_counter()
     topology = Topology.build(ranks)
     topology_s = time.perf_counter() - t0
-    one = torch.tensor([1.0], dtype=torch.float64).view(torch.int64).item()
+    one = int(torch.tensor([1.0], dtype=torch.float64).view(torch.int64).item())
     row = [0] * ver.ROW
     row[ver.OWN_LOSS] = row[ver.REPLAY_LOSS] = one
     row[ver.OWN_GRAD] = row[ver.REPLAY_GRAD] = 12345
     row[ver.LOCAL_SKETCH] = row[ver.LOCAL_L1] = row[ver.REDUCED_SKETCH] = one
     row[ver.REDUCED_GRAD] = 6789
-    param = torch.zeros(1)
-    guard = types.SimpleNamespace(
-        topology=topology,
-        world_size=world,
-        params=[param],
-        hook=types.SimpleNamespace(largest_bucket=25_000_000),
-        config=types.SimpleNamespace(deterministic=True),
-    )
-    verifier = ver.Verifier(guard)  # type: ignore[arg-type]
+    row[ver.ABFT_WHERE] = -1
+    param = torch.nn.Parameter(torch.zeros(1))
+    hook = HookState(None, world, Fingerprinter(1234), SignVectors(1234), {})
+    hook.largest_bucket, hook.buckets, hook.elements = 25_000_000, 1, 25_000_000
+    # check_step reads only the world size (and rank) from the Collective once rows are gathered
+    comm = types.SimpleNamespace(rank=0, world_size=world)
+    verifier = _verifier(comm, topology, [param], hook)
+    captured = capture(None)
     mine = torch.tensor(row, dtype=torch.int64)
     out: dict[str, list[float]] = {
         "gather lists": [],
         "verdicts": [],
         "vote": [],
-        "bits_float share of verdicts": [],
+        "bits_to_float share of verdicts": [],
     }
     for _ in range(repeats):
         t0 = time.perf_counter()
-        tensors = [torch.empty_like(mine) for _ in range(world)]
-        for t in tensors:
-            t.copy_(mine)  # what all_gather writes
-        rows = [[int(v) for v in t.tolist()] for t in tensors]
+        gathered = torch.empty(world * ver.ROW, dtype=torch.int64)
+        gathered.view(world, -1).copy_(mine)  # what all_gather_into_tensor writes
+        rows: list[list[int]] = gathered.view(world, -1).cpu().tolist()  # Collective._read
         t1 = time.perf_counter()
-        sum(ver.bits_float(r[ver.LOCAL_L1]) for r in rows)
+        failed = [(r, rows[r][ver.REPLAYED]) for r in range(world)]
+        assert not [(r, o) for r, o in failed if rows[r][ver.REPLAY_FAILED]]
+        assert not any(r[ver.LOCAL_NONFINITE] for r in rows)
+        l1_total = sum(bits_to_float(r[ver.LOCAL_L1]) for r in rows)
+        assert (
+            judge_reduced_nonfinite(
+                [bool(r[ver.REDUCED_NONFINITE]) for r in rows],
+                overflow_possible=l1_total >= torch.finfo(param.dtype).max,
+            )
+            is None
+        )
         assert verifier._judge_reduction(rows, True) is None
-        assert verifier._judge_replays(rows, None) is None  # type: ignore[arg-type]
-        topology.owner_of(world - 1)
+        assert verifier._judge_replays(0, rows, captured) is None
         t2 = time.perf_counter()
         assert judge_vote([r[ver.REDUCED_GRAD] for r in rows]) is None
         t3 = time.perf_counter()
         for key in (ver.LOCAL_L1, ver.LOCAL_L1, ver.LOCAL_SKETCH):  # the 3W calls in `verdicts`
-            [ver.bits_float(r[key]) for r in rows]
+            [bits_to_float(r[key]) for r in rows]
         t4 = time.perf_counter()
-        out["bits_float share of verdicts"].append(t4 - t3)
+        out["bits_to_float share of verdicts"].append(t4 - t3)
         out["gather lists"].append(t1 - t0)
         out["verdicts"].append(t2 - t1)
         out["vote"].append(t3 - t2)
@@ -243,6 +309,7 @@ def main() -> None:
             "payload_bytes": value["payload_bytes"],
             "grad_numel": value["grad_numel"],
             "replayer": value["replayer"],
+            "bucket_check_backend": value["bucket_check_backend"],
         }
         print(f"W={world}: measured in {time.perf_counter() - began:.1f} s", file=sys.stderr)
 
@@ -264,13 +331,22 @@ def main() -> None:
     # (one ring hop, each rank on its own core) and also shown at an assumed interconnect hop.
     fits = {
         name: fit_per_hop(worlds, [measured[w]["median_s"][name] for w in worlds])
-        for name in ("verdict gather", "weight vote", "alt: all-reduce SUM+MAX", "barrier (floor)")
+        for name in (
+            "verdict gather",
+            "watchdog arrival",
+            "weight vote",
+            "alt: all-reduce SUM+MAX",
+            "barrier (floor)",
+        )
     }
     python = verdict_python_at(TARGET_W, TARGET_NODES)
     big = bytes_per_rank(TARGET_W, payload)
     base = measured[min(worlds)]["median_s"]
     hop_here = base["verdict gather"] / (min(worlds) - 1)
     ar_here = base["alt: all-reduce SUM+MAX"] / 2  # two all-reduces per call
+    # rank 0's store serves STORE_REQUESTS per rank and round, one after another
+    request_here = base["watchdog arrival"] / (STORE_REQUESTS * min(worlds))
+    store_requests = STORE_REQUESTS * TARGET_W
     ring_hops = TARGET_W - 1
     tree_hops = 2 * (TARGET_W - 1).bit_length()  # up and down a binary tree
     extrapolated = {
@@ -289,6 +365,12 @@ def main() -> None:
             "at_measured_hop": ring_hops * hop_here,
             "at_assumed_hop": ring_hops * ASSUMED_HOP_S,
         },
+        "watchdog_arrival": {
+            "store_requests_at_rank0_per_round": store_requests,
+            "bytes_received_at_rank0_per_round": sum(arrival_bytes(r) for r in range(TARGET_W)),
+            "request_s_measured_w2": request_here,
+            "at_measured_request_s": store_requests * request_here,
+        },
         "alt_two_allreduces_s": {
             "at_measured_hop": 2 * tree_hops * ar_here,
             "at_assumed_hop": 2 * tree_hops * ASSUMED_HOP_S,
@@ -302,6 +384,7 @@ def main() -> None:
     print(
         f"\nScaling, TinyGPT width={MODEL.width} layers={MODEL.layers} ({grad_numel:,} gradient "
         f"elements), batch {BATCH}x{MODEL.context}; gloo on local processes, 1 thread each, "
+        f"bucket check by the {measured[worlds[-1]]['bucket_check_backend']} kernel, "
         f"{CALLS} calls per window, medians of {rounds} rounds; bytes sent per rank per call\n"
     )
     print(table(["W", "check", "bytes sent / rank", "time / call (µs)"], rows))
@@ -325,7 +408,14 @@ def main() -> None:
             f"{ring_hops * ASSUMED_HOP_S * ms:.0f} ms",
         ],
         ["ring replay exchange", f"{I64 + payload:,} B", "O(1): 1 peer", "as W=2..8", "-"],
-        ["conservation sketch", "0 (3 words of the row)", "O(1)", "as W=2..8", "-"],
+        [
+            "watchdog arrival (every step, TCPStore on rank 0)",
+            f"~{big['watchdog arrival']['sent']} B to rank 0",
+            f"O(1) per rank, O(W) at rank 0: {store_requests:,} requests",
+            f"{store_requests * request_here:.1f} s",
+            "not estimated",
+        ],
+        ["bucket check (fused kernel)", "0 (3 words of the row)", "O(1)", "as W=2..8", "-"],
         [
             "Python on the gathered rows (measured)",
             "-",
@@ -357,7 +447,7 @@ def main() -> None:
     print(
         f"\nPython on {TARGET_W} gathered rows per step (measured here): gather lists "
         f"{python['gather lists'] * ms:.0f} ms, verdicts {python['verdicts'] * ms:.0f} ms (of "
-        f"which bits_float {python['bits_float share of verdicts'] * ms:.0f} ms), vote "
+        f"which bits_to_float {python['bits_to_float share of verdicts'] * ms:.0f} ms), vote "
         f"{python['vote'] * ms:.1f} ms; Topology.build once per start "
         f"{python['topology_build_once']:.2f} s"
     )
