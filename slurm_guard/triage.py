@@ -53,8 +53,9 @@ TRIAGED_CHECKS = (Check.REPLAY, Check.ABFT)
 """Findings that name a microbatch one rank computed wrong (a vote or a reduction check names a
 state or a sum, which a recomputation of one microbatch does not reproduce)."""
 
-# Row of the gather: [runs, reproduced, seconds (float64 bits), then (loss bits, value) per run].
-_HEAD = 3
+# Row of the gather: [runs, seconds (float64 bits), then (loss bits, value) per run]; the value
+# is the gradient fingerprint (exact mode) or the discrepancy from the witness (float64 bits).
+_HEAD = 2
 _ROW = _HEAD + 2 * MAX_RUNS
 
 
@@ -157,9 +158,6 @@ class _Recompute:
         self.captured = captured
         self.tolerant = not verifier.config.deterministic
 
-    def width(self) -> int:
-        return 1 + 2 * len(self.verifier.params) if self.tolerant else 2
-
     def __call__(self) -> torch.Tensor:
         v = self.verifier
         out = v.replay_fn(self.captured)
@@ -237,7 +235,7 @@ def _run(
         ref = reference.cpu().view(torch.float64)
     row = [0] * _ROW
     if rank in (p.suspect, p.witness):
-        row[0], row[2] = len(runs), _float_bits(seconds)
+        row[0], row[1] = len(runs), _float_bits(seconds)
         for i, vector in enumerate(runs):
             if tolerant:
                 mine = vector.view(torch.float64)
@@ -289,7 +287,7 @@ def _record(
         "microbatch_of": p.owner,
         "suspect": p.suspect,
         "suspect_node": topology.node_of(p.suspect),
-        "seconds": round(bits_to_float(mine[2]), 3),
+        "seconds": round(bits_to_float(mine[1]), 3),
         "suspect_runs": runs,
         "witness": witness,
     }
