@@ -8,18 +8,15 @@ numbers and reaches the same verdict, so no rank hangs or continues while anothe
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import hashlib
 import logging
 import os
 import secrets
-import shutil
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -29,24 +26,16 @@ from torch.nn.parallel import DistributedDataParallel
 from slurm_guard import checkpoint as ckpt
 from slurm_guard.abft import Abft, measure_coverage
 from slurm_guard.abft import attach as attach_abft
-from slurm_guard.collective import Collective, RankFailed
+from slurm_guard.alarm_writer import AlarmWriter
+from slurm_guard.collective import Collective
 from slurm_guard.config import GuardConfig
 from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
 from slurm_guard.faults import Fault, FaultInjector, faults_from_env
 from slurm_guard.fingerprint import Fingerprinter, as_hex, as_int
-from slurm_guard.fingerprint_fast import FastFingerprinter, backend
+from slurm_guard.fingerprint_fast import FastFingerprinter
 from slurm_guard.hooks import HookState, SignVectors, guard_comm_hook
-from slurm_guard.protocol import RUN_SCHEMA, Check, Verdict
-from slurm_guard.records import (
-    Alarm,
-    LedgerEntry,
-    RecordError,
-    append_ledger,
-    atomic_write_json,
-    make_alarm_id,
-    read_json_file,
-)
-from slurm_guard.recovery import ResumePlan, finish_rollback, plan_resume
+from slurm_guard.protocol import Check
+from slurm_guard.records import LedgerEntry, RecordError, append_ledger, read_json_file
 from slurm_guard.replay import (
     Captured,
     LossFn,
@@ -58,23 +47,11 @@ from slurm_guard.replay import (
     preserved_state,
     recompute,
 )
-from slurm_guard.run_identity import (
-    check_unchanged,
-    establish_identity,
-    identity_stamp,
-    markers_problem,
-    markers_seen,
-    prepare_markers,
-    write_marker,
-)
+from slurm_guard.restore import load_checkpoint, record_rollback, resume_collectively, share
+from slurm_guard.run_identity import check_unchanged
 from slurm_guard.run_lock import RunLock
-from slurm_guard.rundir import (
-    RunDir,
-    fresh_start_requested,
-    newest_clean,
-    parse_checkpoint_meta,
-    trust_limit,
-)
+from slurm_guard.run_start import open_run_dir, write_run_file
+from slurm_guard.rundir import RunDir
 from slurm_guard.setup_checks import announce_faults, check_same_setup, warn_small_world
 from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.triage import triage_alarm
@@ -177,6 +154,18 @@ class Guard:
         )
         self.faults = faults
         self.injector = FaultInjector(faults, self.rank, me.node, self.module)
+        self.alarm_writer = AlarmWriter(
+            run_dir=self.run_dir,
+            comm=self.comm,
+            topology=self.topology,
+            rank=self.rank,
+            world_size=self.world_size,
+            job_id=self.job_id,
+            restart_count=self.restart_count,
+            attempt=self.attempt,
+            trust_replays=self.config.trust_replays,
+            faults=faults,
+        )
         # Checked GEMMs: after the injector, whose gemm faults wrap the same layers unchecked.
         self.abft: Abft | None = None
         self.abft_coverage: dict[str, object] | None = None  # measured in the settling pass
@@ -255,90 +244,38 @@ class Guard:
 
     def _share(self, problem: str | None, what: str) -> None:
         """Every rank raises the same error if `problem` is set on any rank (all must call)."""
-
-        def check() -> None:
-            if problem is not None:
-                raise GuardError(problem)
-
-        self.comm.agree(check, what)
+        share(self.comm, problem, what)
 
     def _open_run_dir(self) -> None:
-        """Make sure the run directory is this run's, one directory for all ranks, one job's.
-
-        Rank 0 takes the lock (a second job on the directory is refused) and checks the run's
-        identity; then every rank leaves a marker and must see every other rank's, which
-        catches a node-local directory at start, not at the first resume.
-        """
-        self.attempt = f"{self._broadcast_ints([secrets.randbits(48)])[0]:012x}"
-        self._lock: RunLock | None = None
-        problem = None
-        if self.rank == 0:
-            try:
-                self._lock = RunLock.acquire(
-                    self.run_dir,
-                    job_id=self.job_id,
-                    restart_count=self.restart_count,
-                    attempt=self.attempt,
-                )
-                self.run_dir.ensure()
-                establish_identity(self.run_dir, job_id=self.job_id, fresh=fresh_start_requested())
-                for name in self.run_dir.remove_stale_staging():
-                    logger.info("removed %s, left by a save that did not finish", name)
-                prepare_markers(self.run_dir, self.attempt)
-            except (GuardError, RecordError, OSError) as exc:
-                problem = str(exc)
-        self._share(problem, "run directory lock and identity")
-        self.run_id = ""
-        try:
-            identity = read_json_file(self.run_dir.identity_file)
-            self.run_id = str(identity["run_id"])
-            problem = write_marker(self.run_dir, self.attempt, self.rank, self.run_id)
-        except (RecordError, KeyError, TypeError) as exc:
-            problem = f"cannot read the run directory's identity ({exc})"
-        if problem is not None:
-            problem += (
-                f"; {self.run_dir.root} must be one directory on a filesystem that every node "
-                "mounts at the same path"
-            )
-        self._share(problem, "run directory markers")
-        seen = markers_seen(self.run_dir, self.attempt, self.world_size)
-        digest = int.from_bytes(hashlib.sha256(self.run_id.encode()).digest()[:7], "big")
-        rows = self.comm.all_gather_rows([seen, digest])
-        seen_by = [int(r[0]) for r in rows]
-        nodes = [self.topology.node_of(r) for r in range(self.world_size)]
-        problem = markers_problem(seen_by, nodes, self.run_dir.root)
-        if problem is None and len({int(r[1]) for r in rows}) > 1:
-            problem = (
-                f"the ranks read different identity.json files under {self.run_dir.root}: the "
-                "path names different directories on different nodes"
-            )
-        if problem is not None:
-            raise GuardError(problem)
-        if self.rank == 0:
-            shutil.rmtree(self.run_dir.markers_dir / self.attempt, ignore_errors=True)
-        self._stamp = identity_stamp(self.run_dir)
+        """Before the seed and the checks: everything after writes into this directory."""
+        opened = open_run_dir(
+            self.comm,
+            self.run_dir,
+            self.rank,
+            self.world_size,
+            self.topology,
+            job_id=self.job_id,
+            restart_count=self.restart_count,
+        )
+        self._opened = opened
+        self.attempt = opened.attempt
+        self._lock: RunLock | None = opened.lock
+        self.run_id = opened.run_id
+        self._stamp = opened.stamp
 
     def _write_run_file(self) -> None:
-        atomic_write_json(
-            self.run_dir.run_file,
-            {
-                "schema": RUN_SCHEMA,
-                "run_id": self.run_id,
-                "attempt": self.attempt,
-                "seed": self.fingerprinter.seed,
-                "fingerprint": {"scheme": "nh1", "rank0_backend": backend()},
-                "job_id": self.job_id,
-                "restart_count": self.restart_count,
-                "world_size": self.world_size,
-                "ranks": [r.__dict__ for r in self.topology.ranks],
-                "replayer": list(self.topology.replayer),
-                "config": self.config.summary(),
-                # every fault this run injects, from GuardConfig.faults and SLURM_GUARD_INJECT
-                "injected_faults": [f.describe() for f in self.faults],
-                # share of the model's matmul FLOPs the checked GEMMs cover (abft=True)
-                "abft_coverage": self.abft_coverage,
-                "started": self._started,
-            },
+        write_run_file(
+            self.run_dir,
+            self._opened,
+            seed=self.fingerprinter.seed,
+            job_id=self.job_id,
+            restart_count=self.restart_count,
+            world_size=self.world_size,
+            topology=self.topology,
+            config=self.config,
+            faults=self.faults,
+            abft_coverage=self.abft_coverage,
+            started=self._started,
         )
 
     # ---------------------------------------------------------------- training
@@ -546,116 +483,15 @@ class Guard:
 
     # ---------------------------------------------------------------- alarms and recovery
 
-    def _alarm(self, finding: Finding, step: int, *, update_applied: bool) -> None:
+    def _alarm(self, finding: Finding, step: int, *, update_applied: bool) -> NoReturn:
         """Rank 0 writes the alarm; then every rank raises the very same record."""
-        alarm = self._make_alarm(finding, step, update_applied)
-        ok, suffix = True, 0
-        if self.rank == 0:
-            ok, suffix = self._record_alarm(alarm)
-        written, created_us, suffix = self._broadcast_ints(
-            [int(ok), round(alarm.created * 1e6), suffix]
-        )
-        alarm_id = alarm.alarm_id if suffix == 0 else f"{alarm.alarm_id}-{suffix}"
-        if not written:
-            logger.error("alarm %s could not be recorded on the run directory", alarm_id)
-        raise SilentDataCorruption(
-            dataclasses.replace(alarm, alarm_id=alarm_id, created=created_us / 1e6)
-        )
-
-    def _record_alarm(self, alarm: Alarm) -> tuple[bool, int]:
-        """Rank 0: write the alarm, retrying; if that fails, mark the run directory.
-
-        Returns (written, suffix): an id that exists already (it cannot, short of a repeated
-        attempt id) gets a numeric suffix instead of being dropped. When the alarm cannot be
-        written at all, an empty `lost-alarm.<id>.upto-<S>` file makes every later resume
-        trust no checkpoint after step S.
-        """
-        suffix, written = 0, False
-        for attempt in range(4):
-            record = (
-                alarm
-                if suffix == 0
-                else dataclasses.replace(alarm, alarm_id=f"{alarm.alarm_id}-{suffix}")
-            )
-            try:
-                path = self.run_dir.write_alarm(record)
-            except FileExistsError:
-                suffix += 1
-                continue
-            except OSError as exc:
-                logger.warning("writing alarm %s failed (%s); retrying", record.alarm_id, exc)
-                time.sleep(0.2 * 2**attempt)
-                continue
-            logger.error("alarm %s written to %s: %s", record.alarm_id, path, alarm.message)
-            written = True
-            break
-        alarm_id = alarm.alarm_id if suffix == 0 else f"{alarm.alarm_id}-{suffix}"
-        if not written:
-            limit = trust_limit(
-                self.last_verified_step, self.verified_steps, self.config.trust_replays
-            )
-            try:
-                mark = self.run_dir.mark_lost_alarm(alarm_id, limit)
-                logger.error(
-                    "could not write alarm %s (%s); marked %s: no checkpoint after step %s "
-                    "will be trusted",
-                    alarm_id,
-                    alarm.message,
-                    mark,
-                    limit,
-                )
-            except OSError:
-                logger.exception(
-                    "could not write alarm %s nor mark the run directory: do not resume "
-                    "this run from a checkpoint after step %s",
-                    alarm_id,
-                    limit,
-                )
-        try:
-            append_ledger(
-                self.run_dir.ledger,
-                LedgerEntry(
-                    alarm.step, alarm.check, False, {"alarm": alarm_id}, self.restart_count
-                ),
-            )
-        except OSError:
-            logger.exception("could not append alarm %s to the ledger", alarm_id)
-        return written, suffix
-
-    def _make_alarm(self, finding: Finding, step: int, update_applied: bool) -> Alarm:
-        suspects = finding.suspect_ranks
-        nodes = sorted({self.topology.node_of(r) for r in suspects})
-        hosts = sorted({self.topology.ranks[r].hostname for r in suspects})
-        trusted = self._trusted_for(self.last_verified_step)
-        verdict = Verdict(finding.verdict).value  # records hold plain strings
-        return Alarm(
-            alarm_id=make_alarm_id(
-                self.job_id, self.restart_count, self.attempt, step, finding.check
-            ),
-            job_id=self.job_id,
-            restart_count=self.restart_count,
-            step=step,
-            check=Check(finding.check).value,
-            verdict=verdict,
-            suspect_ranks=tuple(suspects),
-            suspect_nodes=tuple(nodes),
-            suspect_hosts=tuple(hosts),
-            last_verified_step=self.last_verified_step,
-            trusted_checkpoint=trusted,
+        self.alarm_writer.raise_alarm(
+            finding,
+            step,
             update_applied=update_applied,
-            evidence=finding.evidence,
-            message=f"step {step}: {finding.check} check: {verdict}: {finding.message}",
-            world_size=self.world_size,
-            created=round(time.time() * 1e6) / 1e6,
-            # an injected fault was active by this step: the alarm may be the drill's, not the
-            # hardware's (the controller and status show it)
-            injected=any(f.step <= step for f in self.faults),
+            last_verified=self.last_verified_step,
+            verified_steps=self.verified_steps,
         )
-
-    def _trusted_for(self, last_verified: int | None) -> str | None:
-        limit = trust_limit(last_verified, self.verified_steps, self.config.trust_replays)
-        best = None if limit is None else newest_clean(self.run_dir.checkpoints(), limit)
-        return None if best is None else self.run_dir.checkpoint_path(best.step).name
 
     def resume(self) -> int:
         """Load the trusted checkpoint; return the step to start from (0 on a fresh run).
@@ -669,89 +505,28 @@ class Guard:
         names the override (`SLURM_GUARD_RESUME=fresh`).
         """
         self.comm.arrive("resume()")
-        plan: ResumePlan | None = None
-        problem = None
-        if self.rank == 0:
-            try:
-                plan = plan_resume(
-                    self.run_dir, self.config.trust_replays, fresh=fresh_start_requested()
-                )
-            except (GuardError, OSError) as exc:
-                problem = str(exc)
-        self._share(problem, "resume: reading the run directory")
-        chosen = -1
-        while True:
-            step = -1
-            if plan is not None:
-                meta = plan.next_candidate()
-                step = -1 if meta is None else meta.step
-            (step,) = self._broadcast_ints([step])
-            if step < 0:
-                break
-            try:
-                self.comm.agree(
-                    functools.partial(self._load, step), f"resume: load step-{step:08d}"
-                )
-            except RankFailed as exc:  # damaged on some rank: every rank tries the next one
-                if plan is not None:
-                    plan.reject(step, f"rank {exc.rank} ({exc.node}): {exc.cause}")
-                continue
-            chosen = step
-            break
-        problem = None
-        if plan is not None and chosen < 0:
-            error = plan.nothing_usable()
-            problem = None if error is None else str(error)
-        self._share(problem, "resume")
-        point = plan.point(chosen) if plan is not None else None
-        # Only the newest `trust_replays` passes can ever bound a later rollback.
-        k = self.config.trust_replays
-        recent = ((point.verified_steps[-k:] if point else []) + [-1] * k)[:k]
-        last_verified, *passes = self._broadcast_ints(
-            [point.last_verified_step if point else -1, *recent]
+        load = functools.partial(
+            load_checkpoint,
+            self.run_dir,
+            rank=self.rank,
+            module=self.module,
+            optimizer=self.optimizer,
+            fingerprinter=self.fingerprinter,
+            state_tensors=self.state_tensors,
         )
-        self.verified_steps = sorted(s for s in passes if s >= 0)
-        if chosen < 0:
+        resumed = resume_collectively(
+            self.comm, self.run_dir, self.rank, self.config.trust_replays, load
+        )
+        self.verified_steps = resumed.verified_steps
+        if resumed.step < 0:
             self.step_count = 0
             self.last_verified_step = None
         else:
-            self.step_count = chosen
-            self.last_verified_step = last_verified if last_verified >= 0 else None
-            self._voted_at = chosen
-        problem = None
-        if point is not None:
-            try:
-                finish_rollback(self.run_dir, point, self.restart_count, self.attempt)
-            except (GuardError, OSError) as exc:
-                problem = f"could not record the rollback ({exc})"
-        self._share(problem, "resume: recording the rollback")
+            self.step_count = resumed.step
+            self.last_verified_step = resumed.last_verified_step
+            self._voted_at = resumed.step
+        record_rollback(self.comm, self.run_dir, resumed.point, self.restart_count, self.attempt)
         return self.step_count
-
-    def _load(self, step: int) -> None:
-        """Load checkpoint `step` on this rank; raise if it is unusable here (no collectives)."""
-        meta_path = self.run_dir.checkpoint_path(step) / "meta.json"
-        meta = parse_checkpoint_meta(read_json_file(meta_path), str(meta_path))
-        state = ckpt.load(self.run_dir, meta, self.rank)
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        if state["rng"] is not None:
-            torch.set_rng_state(state["rng"]["cpu"])
-            if "cuda" in state["rng"] and torch.cuda.is_available():
-                torch.cuda.set_rng_state(state["rng"]["cuda"])
-        # Verify under the seed the checkpoint was sealed with: a run directory whose run.json
-        # was lost or replaced must not make a good checkpoint look corrupt.
-        seed = meta.fingerprint_seed
-        checker = (
-            self.fingerprinter
-            if seed in (None, self.fingerprinter.seed)
-            else (FastFingerprinter(seed))
-        )
-        fingerprint = as_hex(checker.tensors(self.state_tensors()))
-        if fingerprint != meta.weight_fingerprint:
-            raise GuardError(
-                f"the loaded state does not reproduce the recorded weight fingerprint "
-                f"({fingerprint} != {meta.weight_fingerprint})"
-            )
 
 
 @contextlib.contextmanager

@@ -1,0 +1,152 @@
+"""Carrying out a resume on every rank: try the planned checkpoints until one loads everywhere.
+
+`recovery.py` decides what may be loaded and stays torch-light; this module does the loading,
+which needs torch and the collective. Every step tried is broadcast from rank 0 and every rank
+loads it under `Collective.agree`, so a checkpoint damaged on one rank (hash, fingerprint,
+unreadable file) is skipped by all of them together for the next older one, and no rank ever
+continues from a state another rank could not reproduce.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from slurm_guard import checkpoint as ckpt
+from slurm_guard.collective import Collective, RankFailed
+from slurm_guard.errors import GuardError
+from slurm_guard.fingerprint import Fingerprinter, as_hex
+from slurm_guard.fingerprint_fast import FastFingerprinter
+from slurm_guard.records import read_json_file
+from slurm_guard.recovery import ResumePlan, ResumePoint, finish_rollback, plan_resume
+from slurm_guard.rundir import RunDir, fresh_start_requested, parse_checkpoint_meta
+
+
+def share(comm: Collective, problem: str | None, what: str) -> None:
+    """Every rank raises the same error if `problem` is set on any rank (all must call)."""
+
+    def check() -> None:
+        if problem is not None:
+            raise GuardError(problem)
+
+    comm.agree(check, what)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What every rank agreed on after the load; the rollback is recorded only afterwards."""
+
+    step: int  # the loaded checkpoint's step, -1 when nothing was loaded
+    last_verified_step: int | None  # only meaningful when something was loaded
+    verified_steps: list[int]  # the newest `trust_replays` passing replays up to `step`
+    point: ResumePoint | None  # rank 0's plan outcome, None on the other ranks
+
+
+def resume_collectively(
+    comm: Collective,
+    run_dir: RunDir,
+    rank: int,
+    trust_replays: int,
+    load: Callable[[int], None],
+) -> Resumed:
+    """Load the newest usable allowed checkpoint on every rank (all must call).
+
+    `load(step)` runs on each rank and raises when the checkpoint is unusable there; it must
+    not use collectives. Raises GuardError on every rank when the run directory cannot be read
+    or every allowed checkpoint is damaged.
+    """
+    plan: ResumePlan | None = None
+    problem = None
+    if rank == 0:
+        try:
+            plan = plan_resume(run_dir, trust_replays, fresh=fresh_start_requested())
+        except (GuardError, OSError) as exc:
+            problem = str(exc)
+    share(comm, problem, "resume: reading the run directory")
+    chosen = -1
+    while True:
+        step = -1
+        if plan is not None:
+            meta = plan.next_candidate()
+            step = -1 if meta is None else meta.step
+        (step,) = comm.broadcast_ints([step])
+        if step < 0:
+            break
+        try:
+            comm.agree(functools.partial(load, step), f"resume: load step-{step:08d}")
+        except RankFailed as exc:  # damaged on some rank: every rank tries the next one
+            if plan is not None:
+                plan.reject(step, f"rank {exc.rank} ({exc.node}): {exc.cause}")
+            continue
+        chosen = step
+        break
+    problem = None
+    if plan is not None and chosen < 0:
+        error = plan.nothing_usable()
+        problem = None if error is None else str(error)
+    share(comm, problem, "resume")
+    point = plan.point(chosen) if plan is not None else None
+    # Only the newest `trust_replays` passes can ever bound a later rollback.
+    k = trust_replays
+    recent = ((point.verified_steps[-k:] if point else []) + [-1] * k)[:k]
+    last_verified, *passes = comm.broadcast_ints(
+        [point.last_verified_step if point else -1, *recent]
+    )
+    return Resumed(
+        step=chosen,
+        last_verified_step=last_verified if last_verified >= 0 else None,
+        verified_steps=sorted(s for s in passes if s >= 0),
+        point=point,
+    )
+
+
+def record_rollback(
+    comm: Collective,
+    run_dir: RunDir,
+    point: ResumePoint | None,
+    restart_count: int,
+    attempt: str,
+) -> None:
+    """Rank 0 quarantines and marks alarms handled; a failure there stops every rank."""
+    problem = None
+    if point is not None:
+        try:
+            finish_rollback(run_dir, point, restart_count, attempt)
+        except (GuardError, OSError) as exc:
+            problem = f"could not record the rollback ({exc})"
+    share(comm, problem, "resume: recording the rollback")
+
+
+def load_checkpoint(
+    run_dir: RunDir,
+    step: int,
+    rank: int,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    fingerprinter: Fingerprinter,
+    state_tensors: Callable[[], list[torch.Tensor]],
+) -> None:
+    """Load checkpoint `step` on this rank; raise if it is unusable here (no collectives)."""
+    meta_path = run_dir.checkpoint_path(step) / "meta.json"
+    meta = parse_checkpoint_meta(read_json_file(meta_path), str(meta_path))
+    state = ckpt.load(run_dir, meta, rank)
+    module.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if state["rng"] is not None:
+        torch.set_rng_state(state["rng"]["cpu"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng"]["cuda"])
+    # Verify under the seed the checkpoint was sealed with: a run directory whose run.json
+    # was lost or replaced must not make a good checkpoint look corrupt.
+    seed = meta.fingerprint_seed
+    checker = fingerprinter if seed in (None, fingerprinter.seed) else FastFingerprinter(seed)
+    fingerprint = as_hex(checker.tensors(state_tensors()))
+    if fingerprint != meta.weight_fingerprint:
+        raise GuardError(
+            f"the loaded state does not reproduce the recorded weight fingerprint "
+            f"({fingerprint} != {meta.weight_fingerprint})"
+        )

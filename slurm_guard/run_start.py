@@ -1,0 +1,143 @@
+"""Claiming the run directory at job start, and the run.json that describes this start.
+
+Rank 0 takes the lock (a second job on the directory is refused) and checks the run's identity;
+then every rank leaves a marker and must see every other rank's, which catches a node-local
+directory at start, not at the first resume. Kept apart from the Guard: it needs only the
+collective, the topology and the job's identity, and every failure reaches every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import shutil
+from dataclasses import dataclass
+
+from slurm_guard.collective import Collective
+from slurm_guard.config import GuardConfig
+from slurm_guard.errors import GuardError
+from slurm_guard.faults import Fault
+from slurm_guard.fingerprint_fast import backend
+from slurm_guard.protocol import RUN_SCHEMA
+from slurm_guard.records import RecordError, atomic_write_json, read_json_file
+from slurm_guard.restore import share
+from slurm_guard.run_identity import (
+    establish_identity,
+    identity_stamp,
+    markers_problem,
+    markers_seen,
+    prepare_markers,
+    write_marker,
+)
+from slurm_guard.run_lock import RunLock
+from slurm_guard.rundir import RunDir, fresh_start_requested
+from slurm_guard.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OpenedRun:
+    """What a start holds on to so each save can check the directory is still its own."""
+
+    attempt: str  # random per start, shared by every rank
+    lock: RunLock | None  # rank 0 only
+    run_id: str  # from identity.json
+    stamp: tuple[int, int, int, int]  # identity_stamp at start
+
+
+def open_run_dir(
+    comm: Collective,
+    run_dir: RunDir,
+    rank: int,
+    world_size: int,
+    topology: Topology,
+    *,
+    job_id: str | None,
+    restart_count: int,
+) -> OpenedRun:
+    """Make sure the run directory is this run's, one directory for all ranks, one job's."""
+    attempt = f"{comm.broadcast_ints([secrets.randbits(48)])[0]:012x}"
+    lock: RunLock | None = None
+    problem = None
+    if rank == 0:
+        try:
+            lock = RunLock.acquire(
+                run_dir, job_id=job_id, restart_count=restart_count, attempt=attempt
+            )
+            run_dir.ensure()
+            establish_identity(run_dir, job_id=job_id, fresh=fresh_start_requested())
+            for name in run_dir.remove_stale_staging():
+                logger.info("removed %s, left by a save that did not finish", name)
+            prepare_markers(run_dir, attempt)
+        except (GuardError, RecordError, OSError) as exc:
+            problem = str(exc)
+    share(comm, problem, "run directory lock and identity")
+    run_id = ""
+    try:
+        identity = read_json_file(run_dir.identity_file)
+        run_id = str(identity["run_id"])
+        problem = write_marker(run_dir, attempt, rank, run_id)
+    except (RecordError, KeyError, TypeError) as exc:
+        problem = f"cannot read the run directory's identity ({exc})"
+    if problem is not None:
+        problem += (
+            f"; {run_dir.root} must be one directory on a filesystem that every node "
+            "mounts at the same path"
+        )
+    share(comm, problem, "run directory markers")
+    seen = markers_seen(run_dir, attempt, world_size)
+    digest = int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:7], "big")
+    rows = comm.all_gather_rows([seen, digest])
+    seen_by = [int(r[0]) for r in rows]
+    nodes = [topology.node_of(r) for r in range(world_size)]
+    problem = markers_problem(seen_by, nodes, run_dir.root)
+    if problem is None and len({int(r[1]) for r in rows}) > 1:
+        problem = (
+            f"the ranks read different identity.json files under {run_dir.root}: the "
+            "path names different directories on different nodes"
+        )
+    if problem is not None:
+        raise GuardError(problem)
+    if rank == 0:
+        shutil.rmtree(run_dir.markers_dir / attempt, ignore_errors=True)
+    return OpenedRun(attempt, lock, run_id, identity_stamp(run_dir))
+
+
+def write_run_file(
+    run_dir: RunDir,
+    opened: OpenedRun,
+    *,
+    seed: int,
+    job_id: str | None,
+    restart_count: int,
+    world_size: int,
+    topology: Topology,
+    config: GuardConfig,
+    faults: tuple[Fault, ...],
+    abft_coverage: dict[str, object] | None,
+    started: float,
+) -> None:
+    """Rank 0: run.json, what the controller and a later start read about this one."""
+    atomic_write_json(
+        run_dir.run_file,
+        {
+            "schema": RUN_SCHEMA,
+            "run_id": opened.run_id,
+            "attempt": opened.attempt,
+            "seed": seed,
+            "fingerprint": {"scheme": "nh1", "rank0_backend": backend()},
+            "job_id": job_id,
+            "restart_count": restart_count,
+            "world_size": world_size,
+            "ranks": [r.__dict__ for r in topology.ranks],
+            "replayer": list(topology.replayer),
+            "config": config.summary(),
+            # every fault this run injects, from GuardConfig.faults and SLURM_GUARD_INJECT
+            "injected_faults": [f.describe() for f in faults],
+            # share of the model's matmul FLOPs the checked GEMMs cover (abft=True)
+            "abft_coverage": abft_coverage,
+            "started": started,
+        },
+    )
