@@ -420,6 +420,7 @@ class RunDir:
         if not isinstance(obj, dict):
             return {"error": f"{self.run_file}: expected a JSON object"}
         config = obj.get("config")
+        injected = obj.get("injected_faults")
         return {
             "run_id": _str_or_none(obj.get("run_id")),
             "attempt": _str_or_none(obj.get("attempt")),
@@ -428,6 +429,9 @@ class RunDir:
             "world_size": _int_or_none(obj.get("world_size")),
             "config": (
                 {str(k): _scalar(v) for k, v in config.items()} if isinstance(config, dict) else {}
+            ),
+            "injected_faults": (
+                [f for f in injected if isinstance(f, str)] if isinstance(injected, list) else []
             ),
             "started": _time_or_none(obj.get("started")),
         }

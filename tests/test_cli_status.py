@@ -144,6 +144,22 @@ def test_between_alarm_and_resume_status_says_what_the_alarm_says(
 
 
 @real_runs
+def test_status_says_which_faults_were_injected_on_purpose(
+    runs: dict[str, Path], tmp_path: Path
+) -> None:
+    """The runs' fault came from GuardConfig(faults=...): status names it and marks the alarm,
+    so an injected fault is never read as a hardware one (a forgotten SLURM_GUARD_INJECT)."""
+    run_dir = runs["between-k1"]
+    assert the_alarm(run_dir).injected
+    view = status_json(run_dir, tmp_path / "state")
+    assert len(view["injected_faults"]) == 1 and "grad-scale" in view["injected_faults"][0]
+    assert [a["injected"] for a in view["alarms"]] == [True]
+    text = status(str(run_dir), "--state-dir", str(tmp_path / "state")).output
+    assert "injected faults:" in text and "grad-scale" in text
+    assert "sdc (injected)" in text
+
+
+@real_runs
 @pytest.mark.parametrize(("k", "resumed"), [(1, 10), (2, 5)])
 def test_after_the_resume_status_follows_the_current_history(
     runs: dict[str, Path], tmp_path: Path, k: int, resumed: int

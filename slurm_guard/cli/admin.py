@@ -199,6 +199,12 @@ def _print_status(view: dict[str, Any]) -> None:
         _field("run.json", run["error"])
     checks = view.get("checks") or {}
     _field("checks", ", ".join(f"{k}={v}" for k, v in checks.items()) or "-")
+    if view.get("injected_faults"):
+        _field(
+            "injected faults",
+            "; ".join(view["injected_faults"]),
+            "  (on purpose: alarms they cause are not hardware faults)",
+        )
     last = view.get("last_verified_step")
     src = view.get("last_verified_from")
     _field("last verified step", last, f"  (from {src})" if last is not None and src else "")
@@ -232,7 +238,7 @@ def _print_status(view: dict[str, Any]) -> None:
             a["alarm_id"],
             a["step"],
             a["check"],
-            a["verdict"],
+            a["verdict"] + (" (injected)" if a.get("injected") else ""),
             _names(a["suspect_nodes"]),
             a["decision"] + (" (approved)" if a["approved"] else ""),
         ]

@@ -329,6 +329,7 @@ def _alarm_row(
         "last_verified_step": alarm.last_verified_step,
         "trusted_checkpoint": alarm.trusted_checkpoint,
         "message": alarm.message,
+        "injected": alarm.injected,
         "handled": alarm.alarm_id in handled,
         "decision": outcome,
         "decision_reason": why,
@@ -346,6 +347,9 @@ def _run_part(
     assert isinstance(config, dict)
     view["run"] = info
     view["checks"] = config
+    # Faults injected on purpose, as run.json lists them: a leftover SLURM_GUARD_INJECT must
+    # never pass for a hardware fault in front of an admin.
+    view["injected_faults"] = info.get("injected_faults", [])
     trust = trust_replays_of(config)
     view["trust_replays"] = trust
     resumes = rd.resumes()
