@@ -189,7 +189,12 @@ def test_epilog_drains_requeues_and_restarts_without_the_node(
     job_id, run = submit(client, tmp_path, alarm_in_job=True)
 
     info = wait_running_without(client, job_id, "node2")
-    gap = float((run / "start-1").read_text()) - float((run / "end-0").read_text())
+    # RUNNING comes before the rerun's script has written its start time: wait for the file.
+    start_file = run / "start-1"
+    started = wait_for(
+        lambda: start_file.is_file() and start_file.read_text().strip(), 60, "the rerun's start"
+    )
+    gap = float(started) - float((run / "end-0").read_text())
     assert gap < 15, f"rerun started {gap:.1f} s after the first run ended"
     assert (run / "nodes-1").read_text().strip() != ""
 
