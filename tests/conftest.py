@@ -24,7 +24,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from slurm_utils import wait_for as _wait_for
+
+if not torch.cuda.is_available():
+    # Triton decides interpreted or compiled when it is first imported, and test_abft.py's
+    # collection imports it (through transformers) before test_kernels_triton.py could set this:
+    # its tl.sum would then be a compiled-only function inside interpreted kernels. Set it
+    # before any test module is imported. CPU code never runs Triton (kernels/bucket.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from support.local_cluster import (
     LocalCluster,
     LocalClusterError,
