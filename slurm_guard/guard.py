@@ -223,16 +223,6 @@ class Guard:
 
     # ---------------------------------------------------------------- set-up helpers
 
-    def _barrier(self, what: str = "barrier") -> None:
-        self.comm.barrier(what)
-
-    def _broadcast_ints(self, values: list[int]) -> list[int]:
-        return self.comm.broadcast_ints(values)
-
-    def _all_ok(self, ok: bool) -> bool:
-        """Every rank learns whether every rank succeeded: failures never leave a rank waiting."""
-        return self.comm.all_ok(ok)
-
     def _agree_on_seed(self) -> int:
         """The fingerprint seed: per run (not per job start), so checkpoints stay verifiable."""
         seed = 0
@@ -240,7 +230,7 @@ class Guard:
             seed = self.config.seed if self.config.seed is not None else secrets.randbits(62)
             with contextlib.suppress(RecordError, KeyError, TypeError, ValueError):
                 seed = int(read_json_file(self.run_dir.run_file)["seed"])
-        return self._broadcast_ints([seed])[0]
+        return self.comm.broadcast_ints([seed])[0]
 
     def _share(self, problem: str | None, what: str) -> None:
         """Every rank raises the same error if `problem` is set on any rank (all must call)."""
