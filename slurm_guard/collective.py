@@ -38,6 +38,10 @@ from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from slurm_guard.errors import GuardError
 
+# torch 2.13 renamed all_gather_into_tensor (now a deprecated alias that warns on every call);
+# the oldest torch the project allows has only the old name
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -205,7 +209,7 @@ class Collective:
             mine = torch.tensor(list(row), dtype=torch.int64, device=self.device)
         out = torch.empty(self.world_size * mine.numel(), dtype=torch.int64, device=self.device)
         self._check(what or "all-gather", mine, out)
-        dist.all_gather_into_tensor(out, mine, group=self.group)
+        _all_gather_single(out, mine, group=self.group)
         return self._read(out.view(self.world_size, -1))
 
     def broadcast_ints(self, values: Sequence[int], what: str | None = None) -> list[int]:
