@@ -236,6 +236,18 @@ class Collective:
         else:
             dist.barrier(group=self.group)
 
+    def send(self, tensor: torch.Tensor, peer: int) -> dist.P2POp:
+        """A send to `peer`, a rank of this collective's group, for `p2p`."""
+        return dist.P2POp(dist.isend, tensor, self._global(peer), self.group)
+
+    def recv(self, tensor: torch.Tensor, peer: int) -> dist.P2POp:
+        """A receive from `peer`, a rank of this collective's group, for `p2p`."""
+        return dist.P2POp(dist.irecv, tensor, self._global(peer), self.group)
+
+    def _global(self, peer: int) -> int:
+        # P2POp takes global ranks even with a group: on a subgroup, group rank 1 is not rank 1
+        return dist.get_global_rank(self.group, peer) if self.group is not None else peer
+
     def p2p(self, ops: list[dist.P2POp], what: str) -> None:
         """Batched point-to-point sends and receives (the replay exchange)."""
         if not ops:

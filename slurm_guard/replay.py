@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from slurm_guard.errors import GuardError
@@ -157,14 +156,14 @@ def exchange(
     operations on the backend's device: sizes first, then the buffers. Returns {owner: captured}
     for my replays.
     """
-    device, group = comm.device, comm.group
+    device = comm.device
     sends = [rep for own, rep in pairs if own == rank and rep != rank]
     recvs = [own for own, rep in pairs if rep == rank and own != rank]
     payload = pack(mine).to(device) if sends and mine is not None else None
     size = torch.tensor([payload.numel() if payload is not None else 0], device=device)
     sizes = {own: torch.zeros(1, dtype=torch.int64, device=device) for own in recvs}
-    ops = [dist.P2POp(dist.isend, size, dst, group) for dst in sends]
-    ops += [dist.P2POp(dist.irecv, sizes[src], src, group) for src in recvs]
+    ops = [comm.send(size, dst) for dst in sends]
+    ops += [comm.recv(sizes[src], src) for src in recvs]
     comm.p2p(ops, "replay exchange: sizes")
     # one host read of all the sizes this rank receives
     counts = torch.cat([sizes[own] for own in recvs]).tolist() if recvs else []
@@ -172,8 +171,8 @@ def exchange(
         own: torch.empty(int(n), dtype=torch.uint8, device=device)
         for own, n in zip(recvs, counts, strict=True)
     }
-    ops = [dist.P2POp(dist.isend, payload, dst, group) for dst in sends if payload is not None]
-    ops += [dist.P2POp(dist.irecv, buffers[src], src, group) for src in recvs]
+    ops = [comm.send(payload, dst) for dst in sends if payload is not None]
+    ops += [comm.recv(buffers[src], src) for src in recvs]
     comm.p2p(ops, "replay exchange: batches")
     model_device = device if device.type == "cuda" else torch.device("cpu")
     received = {own: unpack(buf, model_device) for own, buf in buffers.items()}

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from slurm_guard.collective import CollectiveError
 from slurm_guard.fingerprint import as_int
@@ -228,9 +227,9 @@ def _run(
             reference = runs[0].to(comm.device)
         ops = []
         if rank == p.witness:
-            ops.append(dist.P2POp(dist.isend, reference, p.suspect, comm.group))
+            ops.append(comm.send(reference, p.suspect))
         elif rank == p.suspect:
-            ops.append(dist.P2POp(dist.irecv, reference, p.witness, comm.group))
+            ops.append(comm.recv(reference, p.witness))
         comm.p2p(ops, "triage: the witness's reference")
         ref = reference.cpu().view(torch.float64)
     row = [0] * _ROW

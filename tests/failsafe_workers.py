@@ -191,3 +191,18 @@ def checked_devices(run_dir: str, declared: str) -> dict[str, Any]:
             return {"reads": reads, "device": str(guard.comm.device)}
 
     return _outcome(run)
+
+
+def p2p_on_subgroup() -> dict[str, Any]:
+    """A Collective on the subgroup of global ranks [1, 2]: group rank 0 sends to group rank 1.
+    With global ranks passed through unmapped, global rank 1 would send to itself."""
+    from slurm_guard.collective import Collective
+
+    sub = dist.new_group([1, 2])  # every rank creates it, members or not
+    if dist.get_rank() == 0:
+        return {"member": False}
+    comm = Collective(sub, f"node{dist.get_rank() + 1}")
+    box = torch.full((2,), float(comm.rank))
+    peer = 1 - comm.rank
+    comm.p2p([comm.send(box.clone(), peer), comm.recv(box, peer)], "subgroup exchange")
+    return {"member": True, "group_rank": comm.rank, "got": box.tolist()}

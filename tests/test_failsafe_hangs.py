@@ -18,6 +18,7 @@ from failsafe_workers import (
     checkpoint_on_rank_zero_only,
     injected_from_env,
     mismatched_settings,
+    p2p_on_subgroup,
     rank_that_sleeps,
     replay_that_raises,
     single_rank_nan,
@@ -98,6 +99,17 @@ def test_agree_raises_the_same_error_on_every_rank() -> None:
     assert message.startswith(
         "checkpoint files failed on rank 2 (node3): TypeError: torch.save could not pickle"
     ), message
+
+
+@pytest.mark.distributed
+def test_point_to_point_on_a_subgroup_reaches_group_ranks() -> None:
+    outcomes = run_local(p2p_on_subgroup, 3, nodes=NODES, timeout=HARD_TIMEOUT)
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+    values = [o.value for o in outcomes]
+    assert values[0] == {"member": False}
+    # each member holds what the other member sent: its group rank
+    assert values[1] == {"member": True, "group_rank": 0, "got": [1.0, 1.0]}
+    assert values[2] == {"member": True, "group_rank": 1, "got": [0.0, 0.0]}
 
 
 @pytest.mark.distributed
