@@ -1,0 +1,133 @@
+"""`slurm-guard status`: one run at a glance (checks, last verified step, alarms, trusted
+checkpoint, controller actions, job state), as text or --json."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from slurm_guard.cli.common import field, handle_errors, names, safe, slurm_client, table
+from slurm_guard.cli.options import json_option, runs_root_option, state_dir_option
+from slurm_guard.controller.state import StateStore
+
+
+def _print_status(view: dict[str, Any]) -> None:
+    job = view.get("job") or {}
+    state = str(job.get("state", job.get("error", "?")))
+    if "state" in job:
+        state += f" on {names(job.get('nodes'))}, restarts {job.get('restart_count')}"
+        if job.get("excluded_nodes"):
+            state += f", excluded {names(job['excluded_nodes'])}"
+        if job.get("held"):
+            state += ", held"
+    field("job", view.get("job_id") or "?", f"  ({state})")
+    field("run dir", view.get("run_dir") or "? (not found)")
+    if view.get("run_dir_error"):
+        field("run dir problem", view["run_dir_error"])
+    run = view.get("run") or {}
+    if run.get("error"):
+        field("run.json", run["error"])
+    checks = view.get("checks") or {}
+    field("checks", ", ".join(f"{k}={v}" for k, v in checks.items()) or "-")
+    if view.get("injected_faults"):
+        field(
+            "injected faults",
+            "; ".join(view["injected_faults"]),
+            "  (on purpose: alarms they cause are not hardware faults)",
+        )
+    last = view.get("last_verified_step")
+    src = view.get("last_verified_from")
+    field("last verified step", last, f"  (from {src})" if last is not None and src else "")
+    trusted = view.get("trusted_checkpoint")
+    if view.get("resume_blocked"):
+        field("trusted checkpoint", "none: ", view["resume_blocked"])
+    else:
+        field(
+            "trusted checkpoint",
+            "none (a restart starts from step 0)" if trusted is None else f"step {trusted}",
+            f"  (resume rule, trust_replays={view.get('trust_replays')})",
+        )
+    for r in view.get("resumes", []):
+        field(
+            "resumed",
+            f"restart {r.get('restart_count')} from step {r.get('resumed_from_step')} after alarm ",
+            r.get("alarm_id"),
+            f" (moved aside: {', '.join(r.get('quarantined') or []) or '-'})",
+        )
+    latest = view.get("latest_checkpoint")
+    field("latest checkpoint", "none" if latest is None else f"step {latest}")
+    for step, problem in (view.get("damaged_checkpoints") or {}).items():
+        field("damaged checkpoint", f"step {step}: ", problem)
+    if view.get("pending"):
+        field("pending", view["pending"].get("reason"))
+    if view.get("journal_error"):
+        field("controller journal", view["journal_error"])
+    click.echo("")
+    rows = [
+        [
+            a["alarm_id"],
+            a["step"],
+            a["check"],
+            a["verdict"] + (" (injected)" if a.get("injected") else ""),
+            names(a["suspect_nodes"]),
+            a["decision"] + (" (approved)" if a["approved"] else ""),
+        ]
+        for a in view.get("alarms", [])
+    ]
+    click.echo(
+        table(rows, ["ALARM", "STEP", "CHECK", "VERDICT", "SUSPECTS", "DECISION"])
+        if rows
+        else "alarms: none"
+    )
+    for a in view.get("alarms", []):
+        if a["decision"] in ("unknown", "undecided") and a.get("decision_reason"):
+            click.echo(f"  {safe(a['alarm_id'])}: {safe(a['decision_reason'])}")
+    for err in view.get("bad_alarm_files", []):
+        click.echo(f"rejected file: {safe(err)}")
+    if view.get("controller_actions"):
+        click.echo("")
+        rows = [
+            [a["op"] or "", a["target"] or "", a["result"], a["detail"]]
+            for a in view["controller_actions"]
+        ]
+        click.echo(table(rows, ["ACTION", "TARGET", "RESULT", "DETAIL"]))
+
+
+@click.command("status")
+@click.argument("target", required=False)
+@json_option
+@state_dir_option
+@runs_root_option()
+@click.pass_context
+@handle_errors
+def status_cmd(
+    ctx: click.Context, target: str | None, as_json: bool, state_dir: Path, runs_root: Path | None
+) -> None:
+    """Show a run: checks, last verified step, alarms, trusted checkpoint, actions, job state.
+
+    TARGET is a job id or a run directory (default: $SLURM_JOB_ID). The trusted checkpoint
+    is the one a restart would load now, by the guard's resume rule. Exit status 1 when
+    TARGET is neither a run directory nor a job that Slurm or the controller knows.
+
+    Example:
+
+        \b
+        slurm-guard status 4242
+        slurm-guard status /shared/runs/llama-7b --json
+    """
+    from slurm_guard.controller.views import status_view
+
+    target = target or os.environ.get("SLURM_JOB_ID")
+    if not target:
+        raise click.ClickException("give a job id or a run directory, e.g. `slurm-guard status 42`")
+    view = status_view(
+        target, client=slurm_client(ctx), store=StateStore(state_dir), runs_root=runs_root
+    )
+    if as_json:
+        click.echo(json.dumps(view, indent=2, sort_keys=True, default=str))
+    else:
+        _print_status(view)
