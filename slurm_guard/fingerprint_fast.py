@@ -133,6 +133,24 @@ def _tail(t: torch.Tensor, nbytes: int) -> list[int]:
     return [nbytes, _DTYPE_CODES.get(t.dtype, 99), _shape_code(t.shape)]
 
 
+_Tail = ctypes.c_int64 * 3
+_tail_cache: dict[tuple[torch.dtype, torch.Size], ctypes.Array[ctypes.c_int64]] = {}
+_TAIL_CACHE_MAX = 4096  # distinct (dtype, shape) pairs; a model has a few hundred
+
+
+def _native_tail(t: torch.Tensor) -> ctypes.Array[ctypes.c_int64]:
+    """`_tail` as the C array the kernel reads, cached per (dtype, shape): the guard hashes the
+    same parameters every step, and building it costs a few microseconds (a tenth of a 1 MB
+    tensor's kernel time). The arrays are never written, so sharing them is safe."""
+    key = (t.dtype, t.shape)
+    tail = _tail_cache.get(key)
+    if tail is None:
+        if len(_tail_cache) >= _TAIL_CACHE_MAX:
+            _tail_cache.clear()
+        tail = _tail_cache.setdefault(key, _Tail(*_tail(t, t.numel() * t.element_size())))
+    return tail
+
+
 def _raw_bytes(t: torch.Tensor) -> torch.Tensor:
     data = t.detach()
     if not data.is_contiguous():
@@ -208,12 +226,11 @@ def _use_triton(t: torch.Tensor) -> bool:
 def _native_fingerprint(
     t: torch.Tensor, kernel: _Native, coeffs_ptr: int, keys_ptr: int
 ) -> torch.Tensor:
-    data = t.detach()
-    if not data.is_contiguous():
-        data = data.contiguous()
-    nbytes = data.numel() * data.element_size()
+    # No detach(): only the pointer is read, and detach() alone costs about a microsecond.
+    data = t if t.is_contiguous() else t.detach().contiguous()
+    nbytes = data.nbytes
     ptr = data.data_ptr() if nbytes else 0
-    tail = (ctypes.c_int64 * 3)(*_tail(t, nbytes))
+    tail = _native_tail(t)
     out = (ctypes.c_int64 * LANES)()
     workers = torch.get_num_threads()
     if nbytes < _PARALLEL_MIN_BYTES or workers <= 1:
@@ -269,18 +286,25 @@ class FastFingerprinter(Fingerprinter):
         super().__init__(seed)
         self._keys = nh_keys(self.seed)
         self._device_keys: dict[torch.device, torch.Tensor] = {}
+        self._cpu_coeffs: torch.Tensor | None = None  # held here: the kernel gets its pointer
 
     def tensor(self, t: torch.Tensor) -> torch.Tensor:
+        # The CPU path first, with no torch.device objects built per call: at 1 MB the Python
+        # around the kernel call was ~10% of its time.
+        if t.is_cpu:
+            kernel = native()
+            if kernel is None:
+                return reference_fingerprint(t, self, self._keys)
+            coeffs = self._cpu_coeffs
+            if coeffs is None:
+                coeffs = self._cpu_coeffs = self._coeffs(torch.device("cpu"))
+            return _native_fingerprint(t, kernel, coeffs.data_ptr(), self._keys.data_ptr())
         if _use_triton(t):
             keys = self._device_keys.get(t.device)
             if keys is None:
                 keys = self._device_keys.setdefault(t.device, self._keys.to(t.device))
             return triton_fingerprint(t, self, keys)
-        kernel = native() if t.device.type == "cpu" else None
-        if kernel is None:
-            return reference_fingerprint(t, self, self._keys)
-        coeffs = self._coeffs(t.device)  # cached; the tensor outlives the call
-        return _native_fingerprint(t, kernel, coeffs.data_ptr(), self._keys.data_ptr())
+        return reference_fingerprint(t, self, self._keys)
 
 
 __all__ = [

@@ -1,7 +1,23 @@
 /* NH fingerprint, first level and tree (see slurm_guard/fingerprint_fast.py for the construction
  * and its false-match bound). Integer arithmetic only: the output is bit-identical to the torch
  * specification `reference_fingerprint` and to the Triton kernel (tested).
- * Built by slurm_guard/kernels/native.py; CI compiles it with -Wall -Wextra -Werror. */
+ * Built by slurm_guard/kernels/native.py; CI compiles it with -Wall -Wextra -Werror.
+ *
+ * What limits it (AVX2; measured on a 2-core AMD EPYC, Zen 3, 3.1 GHz, no AVX-512):
+ * per 64 bytes and both lanes the loop needs 16 vector ALU ops (4 add32 for the keys,
+ * 4 srli64, 4 mul_epu32, 4 add64) and 6 loads (2 data, 4 keys). Zen 3 has four 256-bit
+ * integer pipes (multiplies on two of them, shifts and shuffles on the other two, adds on
+ * all four) and two 256-bit load ports, so the ALU pipes bound it at 4 cycles per 64 bytes
+ * (16 B/cycle); the loop reaches 4.7 cycles on L1-resident data, 5.1 cycles per 64 bytes
+ * over a 4 MB tensor (about 39 GB/s), where the sum of the same tensor (one load and one add
+ * per 32 bytes) streams from L3 at ~58 GB/s. So 1e6 float32 elements (4 MB) reach
+ * 0.66-0.73x of torch's float32 sum() and tensors in DRAM (1e7, 1e8 elements) 0.85-1.0x
+ * (benchmarks/fingerprint_throughput.py). 8 vector ops per 32 bytes is the minimum for
+ * two NH lanes with 32x32-bit multiplies: each lane needs its own key add and product
+ * sum, and mul_epu32 reads only even dword slots, so the odd words of every keyed vector
+ * must be moved (a shift or shuffle: the same pipes) or loaded again with their keys
+ * (12 loads per 64 bytes: slower). Going faster on cache-resident data needs less work per
+ * byte, i.e. a different construction (see fingerprint_fast.py), not better scheduling. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,13 +34,27 @@
 #endif
 #define BLOCK_BYTES (4 * NH_WORDS)
 /* Software prefetch one block ahead: memory-resident tensors (1e8 float32) went from 0.53-0.78x
- * to 0.73-0.91x of a float32 sum() with it on an AVX2 EPYC (interleaved, loaded machine); a hint
- * only (never faults past the end), and the output does not depend on it. */
+ * to 0.73-0.91x of a float32 sum() with it on an AVX2 EPYC (interleaved, loaded machine), and
+ * it is neutral to slightly better (0-5%) on L2/L3-resident tensors, so it is always on; a
+ * hint only (never faults past the end), and the output does not depend on it. */
 #define PREFETCH_BYTES BLOCK_BYTES
 #define BLOCKS_PER_ROW (ROW / (4 * LANES))
 
-/* NH of one full 4 KiB block in both lanes. Unaligned loads: a byte tensor may start anywhere. */
-static void nh_block(const uint8_t *p, const uint32_t *k0, const uint32_t *k1, uint64_t out[2]) {
+/* nh_block leaves NH_PARTS partial sums per lane whose sum mod 2^64 is the lane's NH value:
+ * the AVX2 loop stores its four 64-bit accumulator lanes and sg_rows adds them up after the
+ * row, off the vector loop's critical path (3% over reducing inside the block). */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define NH_PARTS 4
+#else
+#define NH_PARTS 1
+#endif
+
+/* NH of one full 4 KiB block in both lanes: out[lane * NH_PARTS + part]. Unaligned loads: a
+ * byte tensor may start anywhere. Inlined so that the row loop keeps keys and pointers in
+ * registers across blocks. */
+static inline __attribute__((always_inline)) void nh_block(const uint8_t *p, const uint32_t *k0,
+                                                           const uint32_t *k1,
+                                                           uint64_t out[LANES * NH_PARTS]) {
 #if defined(__AVX512F__)
     __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
     __m512i b0 = _mm512_setzero_si512(), b1 = _mm512_setzero_si512();
@@ -51,6 +81,9 @@ static void nh_block(const uint8_t *p, const uint32_t *k0, const uint32_t *k1, u
         __builtin_prefetch(p + 4 * i + PREFETCH_BYTES);
         __m256i m = _mm256_loadu_si256((const __m256i *)(p + 4 * i));
         __m256i n = _mm256_loadu_si256((const __m256i *)(p + 4 * i + 32));
+        /* Keep the data in registers: without this GCC folds each data load into both lanes'
+         * adds (8 loads per 64 bytes instead of 6), and the loop ran 15-20% slower. */
+        __asm__("" : "+x"(m), "+x"(n));
         __m256i x = _mm256_add_epi32(m, _mm256_loadu_si256((const __m256i *)(k0 + i)));
         __m256i y = _mm256_add_epi32(m, _mm256_loadu_si256((const __m256i *)(k1 + i)));
         __m256i u = _mm256_add_epi32(n, _mm256_loadu_si256((const __m256i *)(k0 + i + 8)));
@@ -60,11 +93,8 @@ static void nh_block(const uint8_t *p, const uint32_t *k0, const uint32_t *k1, u
         b0 = _mm256_add_epi64(b0, _mm256_mul_epu32(u, _mm256_srli_epi64(u, 32)));
         b1 = _mm256_add_epi64(b1, _mm256_mul_epu32(v, _mm256_srli_epi64(v, 32)));
     }
-    uint64_t s[4], t[4];
-    _mm256_storeu_si256((__m256i *)s, _mm256_add_epi64(a0, b0));
-    _mm256_storeu_si256((__m256i *)t, _mm256_add_epi64(a1, b1));
-    out[0] = s[0] + s[1] + s[2] + s[3];
-    out[1] = t[0] + t[1] + t[2] + t[3];
+    _mm256_storeu_si256((__m256i *)out, _mm256_add_epi64(a0, b0));
+    _mm256_storeu_si256((__m256i *)(out + NH_PARTS), _mm256_add_epi64(a1, b1));
 #else
     uint64_t s0 = 0, s1 = 0;
     for (int i = 0; i < NH_WORDS; i += 2) {
@@ -80,30 +110,36 @@ static void nh_block(const uint8_t *p, const uint32_t *k0, const uint32_t *k1, u
 }
 
 /* Level-0 tree rows [row_begin, row_end): NH of the row's blocks, split into 16-bit words,
-   hashed with level-0 coefficients. Blocks past the end contribute zero words (tree padding). */
+   hashed with level-0 coefficients. Blocks past the end contribute zero words (tree padding).
+   All NH values of a row first, then the coefficients: the vector loop runs back to back. */
 int sg_rows(const uint8_t *data, int64_t nbytes, int64_t row_begin, int64_t row_end,
             const uint32_t *keys, const int64_t *coeffs, int64_t *rows) {
     int64_t nblocks = nbytes > 0 ? (nbytes + BLOCK_BYTES - 1) / BLOCK_BYTES : 1;
+    int64_t nfull = nbytes / BLOCK_BYTES;
     const uint32_t *k0 = keys, *k1 = keys + NH_WORDS;
+    uint64_t h[BLOCKS_PER_ROW][LANES * NH_PARTS];
     uint8_t tail[BLOCK_BYTES];
     for (int64_t r = row_begin; r < row_end; r++) {
-        uint64_t acc0 = 0, acc1 = 0;
         int64_t first = r * BLOCKS_PER_ROW;
         int64_t last = first + BLOCKS_PER_ROW < nblocks ? first + BLOCKS_PER_ROW : nblocks;
-        for (int64_t b = first; b < last; b++) {
-            uint64_t h[2];
+        int64_t full = last < nfull ? last : nfull;
+        int64_t b = first;
+        for (; b < full; b++) nh_block(data + b * BLOCK_BYTES, k0, k1, h[b - first]);
+        for (; b < last; b++) {
             int64_t off = b * BLOCK_BYTES;
-            if (off + BLOCK_BYTES <= nbytes) {
-                nh_block(data + off, k0, k1, h);
-            } else {
-                memset(tail, 0, BLOCK_BYTES);
-                if (nbytes > off) memcpy(tail, data + off, (size_t)(nbytes - off));
-                nh_block(tail, k0, k1, h);
-            }
-            const int64_t *c = coeffs + (b - first) * 4 * LANES * LANES;
+            memset(tail, 0, BLOCK_BYTES);
+            if (nbytes > off) memcpy(tail, data + off, (size_t)(nbytes - off));
+            nh_block(tail, k0, k1, h[b - first]);
+        }
+        /* Each term < 2^16 * 2^31 and at most 8 * BLOCKS_PER_ROW = 1024 terms: < 2^57, exact. */
+        uint64_t acc0 = 0, acc1 = 0;
+        const int64_t *c = coeffs;
+        for (int64_t j = 0; j < last - first; j++) {
             for (int lane = 0; lane < LANES; lane++) {
+                uint64_t nh = 0; /* mod 2^64, like NH itself */
+                for (int part = 0; part < NH_PARTS; part++) nh += h[j][lane * NH_PARTS + part];
                 for (int w = 0; w < 4; w++) {
-                    uint64_t word = (h[lane] >> (16 * w)) & 0xFFFF;
+                    uint64_t word = (nh >> (16 * w)) & 0xFFFF;
                     acc0 += word * (uint64_t)c[0];
                     acc1 += word * (uint64_t)c[1];
                     c += LANES;
