@@ -27,7 +27,7 @@ from slurm_guard.cli import main
 from slurm_guard.controller.engine import Engine
 from slurm_guard.controller.policy import Policy
 from slurm_guard.controller.state import StateStore
-from slurm_guard.controller.views import lineage_passes
+from slurm_guard.controller.status_view import lineage_passes
 from slurm_guard.local_launch import run_local
 from slurm_guard.records import LedgerEntry, atomic_write_json, read_alarm
 from slurm_guard.recovery import choose_resume_point

@@ -40,7 +40,7 @@ def review_group(ctx: click.Context, as_json: bool, state_dir: Path) -> None:
     """
     if ctx.invoked_subcommand is not None:
         return
-    from slurm_guard.controller.views import review_view
+    from slurm_guard.controller.review_view import review_view
 
     view = review_view(client=slurm_client(ctx), store=StateStore(state_dir))
     if as_json:

@@ -119,7 +119,7 @@ def status_cmd(
         slurm-guard status 4242
         slurm-guard status /shared/runs/llama-7b --json
     """
-    from slurm_guard.controller.views import status_view
+    from slurm_guard.controller.status_view import status_view
 
     target = target or os.environ.get("SLURM_JOB_ID")
     if not target:
