@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from slurm_guard.controller.actions import MAX_REASON_LEN
+from slurm_guard.controller.actions import MAX_REASON_LEN, make_plan
 from slurm_guard.controller.evidence import node_evidence
 from slurm_guard.controller.policy import Outcome, Policy
 from slurm_guard.controller.report import EngineError, JobReport, RetryLater
@@ -40,20 +40,6 @@ class Engine(Protocol):
     clock: Callable[[], float]
 
     def narrate(self, text: str) -> list[str]: ...
-
-    def make_plan(
-        self,
-        journal: Journal,
-        job_id: str,
-        run_dir: str,
-        alarm_ids: tuple[str, ...],
-        *,
-        drains: list[tuple[str, str, str]],
-        exclude: tuple[str, ...],
-        restart_count: int,
-        hold_only: bool,
-        auto: bool,
-    ) -> Plan: ...
 
     def execute(self, plan: Plan, journal: Journal, report: JobReport) -> None: ...
 
@@ -107,7 +93,7 @@ def approve(engine: Engine, alarm_id: str, reason: str, admin: str) -> JobReport
             )
         engine.store.append(APPROVAL, alarm_id=alarm_id, job_id=job_id, reason=reason, admin=admin)
         nodes = tuple(entry.get("suspect_nodes", ()))
-        plan = engine.make_plan(
+        plan = make_plan(
             journal,
             job_id,
             str(entry["run_dir"]),
@@ -117,6 +103,7 @@ def approve(engine: Engine, alarm_id: str, reason: str, admin: str) -> JobReport
             restart_count=info.restart_count,
             hold_only=False,
             auto=False,
+            now=engine.clock(),
         )
         engine.store.append(PLAN, job_id=plan.job_id, plan=plan.to_json())
         try:

@@ -281,7 +281,7 @@ class Engine:
 
         if (act or hold) and info is not None:
             exclude = tuple(sorted({n for _, d, _ in act for n in d.exclude_nodes}))
-            plan = self.make_plan(
+            plan = make_plan(
                 journal,
                 job_id,
                 str(run_dir),
@@ -291,6 +291,7 @@ class Engine:
                 restart_count=info.restart_count,
                 hold_only=not act,
                 auto=True,
+                now=self.clock(),
             )
             self.store.append(PLAN, job_id=plan.job_id, plan=plan.to_json())
             self.execute(plan, self.store.read(), report)
@@ -300,32 +301,6 @@ class Engine:
             self.store.clear_pending(job_id)
 
     # ---------------------------------------------------------------- shared with admin
-
-    def make_plan(
-        self,
-        journal: Journal,
-        job_id: str,
-        run_dir: str,
-        alarm_ids: tuple[str, ...],
-        *,
-        drains: list[tuple[str, str, str]],
-        exclude: tuple[str, ...],
-        restart_count: int,
-        hold_only: bool,
-        auto: bool,
-    ) -> Plan:
-        return make_plan(
-            journal,
-            job_id,
-            run_dir,
-            alarm_ids,
-            drains=drains,
-            exclude=exclude,
-            restart_count=restart_count,
-            hold_only=hold_only,
-            auto=auto,
-            now=self.clock(),
-        )
 
     def execute(self, plan: Plan, journal: Journal, report: JobReport) -> None:
         """Carry out the plan's remaining actions; SlurmUnavailable propagates (retry later)."""
