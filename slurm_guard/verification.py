@@ -173,6 +173,7 @@ class Verifier:
         self.scaler_active = scaler_active
         self.abft = abft
         self.calibration: list[float] = []  # worst discrepancy of each calibration step
+        self.last_loss_bits = 0  # float64 bits of the last checked step's loss (OWN_LOSS)
 
     @property
     def rank(self) -> int:
@@ -321,6 +322,8 @@ class Verifier:
         )
         # On a verification step the replay (user code) ran since the step's own arrival check.
         rows = self.comm.all_gather_rows(row, f"step {step}: verdicts" if verify else None)
+        # the step's loss, from the same read (the Guard returns it without a host sync of its own)
+        self.last_loss_bits = rows[self.rank][OWN_LOSS]
         if verify:
             failed = [(r, rows[r][REPLAYED]) for r in range(self.world_size)]
             failed = [(r, o) for r, o in failed if rows[r][REPLAY_FAILED]]

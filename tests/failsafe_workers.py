@@ -8,7 +8,9 @@ error, and soon, instead of hanging.
 from __future__ import annotations
 
 import logging
+import os
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.overrides import TorchFunctionMode
 from workers import SMALL
 
 import slurm_guard as sg
@@ -168,6 +171,64 @@ def injected_from_env(run_dir: str) -> dict[str, Any]:
     if dist.get_rank() == 0:
         out["run_json"] = read_json_file(Path(run_dir) / "run.json")
     return out
+
+
+class HostReads(TorchFunctionMode):
+    """Every conversion of a tensor to Python values (on CUDA: a device-to-host copy and sync)
+    made while active, as "file:function" of the code that asked for it.
+
+    The optimizer's reads are left out: torch's optimizers keep their step counter in a host
+    tensor and read it with `.item()`, which is no device read on CUDA either.
+    """
+
+    READS = frozenset(
+        {
+            torch.Tensor.item,
+            torch.Tensor.tolist,
+            torch.Tensor.__float__,
+            torch.Tensor.__int__,
+            torch.Tensor.__bool__,
+            torch.Tensor.__index__,
+            torch.Tensor.numpy,
+        }
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in self.READS:
+            caller = traceback.extract_stack(limit=2)[0]
+            if f"{os.sep}optim{os.sep}" not in caller.filename:
+                self.sites.append(f"{Path(caller.filename).name}:{caller.name}")
+        return func(*args, **(kwargs or {}))
+
+
+def step_host_reads(run_dir: str) -> dict[str, Any]:
+    """The host reads of a replay step, a plain step and a vote step (replay_every=vote_every=3),
+    and whether each step returned the loss the loss function computed (as a float)."""
+    recorded: list[torch.Tensor] = []
+
+    def loss_fn(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+        loss = lm_loss(model, batch)
+        recorded.append(loss.detach().clone())
+        return loss
+
+    def run() -> dict[str, Any]:
+        guard = _guard(run_dir, sg.GuardConfig(replay_every=3, vote_every=3), loss_fn)
+        sites, exact = [], []
+        for step in range(3):
+            recorded.clear()
+            batch = make_batch(step, dist.get_rank(), SMALL)
+            with HostReads() as reads:
+                loss = guard.step(batch)
+            sites.append(reads.sites)
+            # the first call is this rank's own forward; a replay of another rank's comes later
+            exact.append(type(loss) is float and loss == float(recorded[0]))
+        return {"sites": sites, "loss_exact": exact}
+
+    return _outcome(run)
 
 
 def checked_devices(run_dir: str, declared: str) -> dict[str, Any]:
