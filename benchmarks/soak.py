@@ -12,7 +12,10 @@ Part 3 (checked GEMMs, `--abft`): one process, no guard, fp32 on the CPU: TinyGP
 HuggingFace GPT-2 tiny config (a local GPT-2-shaped model with the same Conv1D layers when
 transformers is not installed) train with AdamW and four microbatches per step, every GEMM
 checked (`slurm_guard.abft`). Counts the checked GEMMs and the largest normalised residual
-(residual / bound; a false alarm is > 1). Zero failed checks expected.
+(residual / bound; a false alarm is > 1 on a step whose loss and gradients are finite). Zero
+false alarms expected. A step with a non-finite loss or gradients is a diverged run, which a
+guarded run would stop at its finite check first: counted apart, and the soak exits 2 (invalid)
+rather than folding those failed checks into the false alarms.
 
     python benchmarks/soak.py --quick                  # 2 x 300 steps, ~2 min
     python benchmarks/soak.py                          # >= 20,000 comparisons + >= 1,000 replays
