@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import TypeVar
+
+from slurm_guard.drill.stages import poll
 
 T = TypeVar("T")
 
@@ -16,25 +17,10 @@ def wait_for(
     interval: float = 0.05,
     max_interval: float = 0.5,
 ) -> T:
-    """Call ``predicate`` until it returns something truthy, and return that value.
-
-    Polling starts fast (Slurm reacts in tens of milliseconds) and backs off so that a slow CI
-    machine is not hammered. On timeout the AssertionError names ``what`` and the last value
-    seen, which usually tells the reader which Slurm state the test was stuck in.
-
-    Exceptions raised by ``predicate`` propagate: a broken query is a test failure, not a
-    reason to keep waiting.
-    """
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while True:
-        last = predicate()
-        if last:
-            return last
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise AssertionError(
-                f"timed out after {timeout:.1f} s waiting for {what}; last: {last!r}"
-            )
-        time.sleep(min(interval, remaining))
-        interval = min(interval * 1.5, max_interval)
+    """`slurm_guard.drill.stages.poll` (the project's one polling helper), with a timeout that
+    fails the test as an AssertionError naming `what` and the last value seen, which usually
+    tells the reader which Slurm state the test was stuck in."""
+    try:
+        return poll(predicate, timeout, what, interval=interval, max_interval=max_interval)
+    except TimeoutError as exc:
+        raise AssertionError(f"timed out: {exc}") from None
