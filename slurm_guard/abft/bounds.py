@@ -21,8 +21,10 @@ detectable error per dtype and shape.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -94,8 +96,23 @@ def _half_accumulation(dtype: torch.dtype, device: torch.device) -> float:
     return unit_roundoff(torch.float32)
 
 
+_HOST_ROUNDOFF: dict[tuple[torch.dtype, str], Roundoff] = {}
+
+
 def roundoff(dtype: torch.dtype, device: torch.device) -> Roundoff:
-    """The rounding model of a GEMM in `dtype` on `device` and of its float32/64 checksums."""
+    """The rounding model of a GEMM in `dtype` on `device` and of its float32/64 checksums.
+    Kept per dtype off CUDA (where nothing global changes it); on CUDA it depends on the TF32 and
+    reduced-precision settings, which a program may change at any time, so it is read per call."""
+    if device.type != "cuda":
+        key = (dtype, device.type)
+        cached = _HOST_ROUNDOFF.get(key)
+        if cached is None:
+            cached = _HOST_ROUNDOFF[key] = _roundoff(dtype, device)
+        return cached
+    return _roundoff(dtype, device)
+
+
+def _roundoff(dtype: torch.dtype, device: torch.device) -> Roundoff:
     u = unit_roundoff(dtype)
     cdt = check_dtype(dtype)
     uc = unit_roundoff(cdt)
@@ -103,6 +120,61 @@ def roundoff(dtype: torch.dtype, device: torch.device) -> Roundoff:
     inp = _fp32_inner(device) if dtype == torch.float32 else 0.0
     acc = _half_accumulation(dtype, device) if dtype in (torch.bfloat16, torch.float16) else u
     return Roundoff(acc=acc, inp=inp, out=u, check=uc, check_inp=check_inp, check_acc=uc)
+
+
+@dataclass(frozen=True)
+class Factors:
+    """The numbers a bound is made of for one GEMM shape (reduction length q, largest block n_max,
+    dtype, device, margin), computed once (`factors` caches them): per check, only the norms
+    change. k1, k3 and k24 below are the coefficients of the `residual_bound` formula."""
+
+    per_element: float
+    check_gemm: float
+    uc2: float
+    scale: float
+    floor2: float
+    # the five numbers as a ctypes double[5], for the C compare pass
+    native: Any = field(compare=False, repr=False)
+
+    def k1(self, n_b: Any) -> Any:
+        return (2 * self.per_element + (3 * n_b + 8) * n_b * self.uc2) * self.scale
+
+    @property
+    def k3(self) -> float:
+        return 2 * self.check_gemm * self.scale
+
+    def k24(self, n_b: Any) -> Any:
+        pe, cg, uc2 = self.per_element, self.check_gemm, self.uc2
+        return ((2 * pe + (2 * n_b + 8) * n_b * uc2) * n_b + (2 * cg + 4 * uc2) * n_b * n_b) * (
+            self.scale
+        )
+
+
+@functools.lru_cache(maxsize=4096)
+def factors(
+    q: int, n_max: float, r: Roundoff, margin: float, cdt: torch.dtype, low_out: bool = False
+) -> Factors:
+    """The bound's shape-dependent numbers (see `residual_bound` for their derivation).
+
+    The floor covers roundings in the subnormal range; its square is kept at least the check
+    dtype's smallest normal number, so that an all-zero block (zero inputs, no bias: a zero
+    residual) compares 0 with a positive number instead of 0 / 0 (NaN, a false alarm).
+    """
+    out_term = 0.0 if low_out else r.out**2
+    per_element = (q + 1) * r.acc**2 + 2.1 * r.inp**2 + out_term
+    check_gemm = (2 * q + 1) * (r.check_acc**2 + 2.1 * r.check_inp**2)
+    # products of two or more roundings: (1 + d_out) prod (1 + d_t) - 1 - sum of first-order
+    # terms is at most R = (e^E - 1 - E)(1 + u_out) + u_out (e^E - 1), E the other roundings
+    # (a single output rounding has no square of its own)
+    events = (2 * q + 2) * r.acc + 2 * r.inp
+    second = (math.expm1(events) - events) * (1 + r.out) + r.out * math.expm1(events)
+    remainder = second * math.sqrt(n_max / per_element)
+    # 1.01: the norms and this formula are themselves computed in floating point
+    scale = (1.01 * (margin + remainder)) ** 2
+    tiny = torch.finfo(cdt).tiny
+    floor2 = max((tiny * (2 * q + 8) * n_max) ** 2, tiny)
+    values = (per_element, check_gemm, r.check**2, scale, floor2)
+    return Factors(*values, native=(ctypes.c_double * 5)(*values))
 
 
 def residual_bound(
@@ -146,24 +218,8 @@ def residual_bound(
     uniform = not isinstance(block_rows, torch.Tensor)
     n_b: Any = block_rows if uniform else block_rows[:, None]  # type: ignore[index]
     n_max = float(block_rows) if uniform else float(block_rows.max())  # type: ignore[union-attr]
-    out_term = 0.0 if out_sq is not None else r.out**2
-    per_element = (q + 1) * r.acc**2 + 2.1 * r.inp**2 + out_term
-    check_gemm = (2 * q + 1) * (r.check_acc**2 + 2.1 * r.check_inp**2)
-    uc2 = r.check**2
-    # products of two or more roundings: (1 + d_out) prod (1 + d_t) - 1 - sum of first-order
-    # terms is at most R = (e^E - 1 - E)(1 + u_out) + u_out (e^E - 1), E the other roundings
-    # (a single output rounding has no square of its own)
-    events = (2 * q + 2) * r.acc + 2 * r.inp
-    second = (math.expm1(events) - events) * (1 + r.out) + r.out * math.expm1(events)
-    remainder = second * math.sqrt(n_max / per_element)
-    # 1.01: the norms and this formula are themselves computed in floating point
-    scale = (1.01 * (margin + remainder)) ** 2
-    floor = (torch.finfo(a_sq.dtype).tiny * (2 * q + 8) * n_max) ** 2
-    k1 = (2 * per_element + (3 * n_b + 8) * n_b * uc2) * scale  # times ||m_c||^2 a_sq
-    k3 = 2 * check_gemm * scale  # times ||m_c||^2 s_sq
-    k24 = (
-        (2 * per_element + (2 * n_b + 8) * n_b * uc2) * n_b + (2 * check_gemm + 4 * uc2) * n_b * n_b
-    ) * scale
+    f = factors(q, n_max, r, margin, a_sq.dtype, out_sq is not None)
+    k1, k3, k24, floor = f.k1(n_b), f.k3, f.k24(n_b), f.floor2
     if uniform and out_sq is None:  # the common case in two fused kernels
         v = torch.add(a_sq, s_sq, alpha=k3 / k1)
         if bias_sq is None:
@@ -173,5 +229,5 @@ def residual_bound(
     if bias_sq is not None:
         terms = terms + k24 * bias_sq[None, :]
     if out_sq is not None:
-        terms = terms + 1.01 * r.out**2 * scale * out_sq
+        terms = terms + 1.01 * r.out**2 * f.scale * out_sq
     return terms + floor

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from slurm_guard.abft.bounds import check_dtype, residual_bound, roundoff
+from slurm_guard.abft.bounds import check_dtype, factors, residual_bound, roundoff
+from slurm_guard.kernels import abft_native as nk
 
 FWD, GRAD_X, GRAD_W = 0, 1, 2
 PASSES = ("fwd", "grad_x", "grad_w")
@@ -38,10 +39,11 @@ Injector = Callable[[torch.Tensor], None]
 class Site:
     """One checked layer (or one projection inside attention) and what it has seen this step.
 
-    `results` collects (pass, (residual / bound)^2 per block and column) as device tensors;
-    `checking` False keeps
-    the layer wrapped for fault injection only. `injectors[pass]` corrupt that pass's output in
-    place before it is checked (software faults, `slurm_guard.faults`).
+    `results` collects (pass, (residual / bound)^2): per block and column as a device tensor
+    (torch path), or its largest value as a number (the C path, CPU only, where the number is
+    on the host anyway). `checking` False keeps the layer wrapped for fault injection only.
+    `injectors[pass]` corrupt that pass's output in place before it is checked (software
+    faults, `slurm_guard.faults`).
     """
 
     index: int
@@ -50,11 +52,11 @@ class Site:
     margin: float = 10.0
     block: int = 32
     checking: bool = True
-    results: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    results: list[tuple[int, torch.Tensor | float]] = field(default_factory=list)
     injectors: dict[int, list[Injector]] = field(default_factory=dict)
     flops: list[int] | None = None  # coverage accounting: FLOPs of the GEMMs checked
     suspended: Callable[[], bool] = lambda: False
-    norms: tuple[tuple[int, int, int], torch.Tensor, torch.Tensor] | None = None
+    norms: tuple[tuple[int, int, int, bool], torch.Tensor, torch.Tensor] | None = None
     bias_norms: tuple[tuple[int, int, int], torch.Tensor] | None = None
     # testing aid (benchmarks/campaign.py): {"which": pass} keeps that pass's next squared
     # bound under "bound2", so a harness can tell whether an injected error was above it
@@ -78,18 +80,35 @@ class Site:
             self.bias_norms = (key, b.square())
         return self.bias_norms[1]
 
-    def weight_norms(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def weight_norms(
+        self, m: torch.Tensor, kernel: nk._Native | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(||M[:, c]||^2 per output column, ||M[l, :]||^2 per input row), one pass over the
-        weight per step: kept until the weight changes (version counter) or the step ends."""
-        key = (m.data_ptr(), m._version, m.shape[0])
+        weight per step: kept until the weight changes (version counter) or the step ends.
+        With the C kernel they are float64 (what its compare pass reads), else the check dtype."""
+        key = (m.data_ptr(), m._version, m.shape[0], kernel is not None)
         if self.norms is None or self.norms[0] != key:
             w = m.t() if self.kind == "linear" else m  # the stored, contiguous layout
-            sq = _squares(w)
-            along = sq.sum(1)
-            across = torch.mv(sq.t(), torch.ones(sq.shape[0], dtype=sq.dtype, device=sq.device))
+            if kernel is not None:
+                along, across = nk.weight_norms(kernel, w if w.is_contiguous() else w.contiguous())
+            else:
+                sq = _squares(w)
+                along = sq.sum(1)
+                across = torch.mv(sq.t(), torch.ones(sq.shape[0], dtype=sq.dtype, device=sq.device))
             col, row = (along, across) if self.kind == "linear" else (across, along)
             self.norms = (key, col, row)
         return self.norms[1], self.norms[2]
+
+    def kernel(self, which: int, *tensors: torch.Tensor | None) -> nk._Native | None:
+        """The C kernel when it can check this pass: float32 CPU operands, built, and no bound
+        probe waiting for this pass (the probe needs the torch path's per-element bound)."""
+        probe = self.probe
+        if probe is not None and probe.get("which") == which and "bound2" not in probe:
+            return None
+        for t in tensors:
+            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+                return None
+        return nk.native()
 
 
 _SCRATCH: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
@@ -223,6 +242,88 @@ def _check_weight_grad(
     return _check(site, p.shape[0], out_sums, a_sums, a_sq, rows, q, q_col_sq, None, grad, GRAD_W)
 
 
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _native_forward(
+    kernel: nk._Native,
+    site: Site,
+    x2: torch.Tensor,
+    m: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+) -> tuple[float, nk.Stats]:
+    """The forward check by the C passes: one read of x (its block sums and norms, and its
+    column-block sums for Conv1D's weight-gradient check), the checksum GEMM in torch, one read
+    of y. x's statistics are kept for the weight-gradient check."""
+    block = site.block
+    n, k = x2.shape
+    st = nk.stats(kernel, _contiguous(x2), block, rows=True, cols=site.kind == "addmm")
+    col_sq, _ = site.weight_norms(m, kernel)
+    pred = torch.mm(st.rows, m)  # type: ignore[arg-type]
+    f = factors(k, float(min(n, block)), roundoff(y.dtype, y.device), site.margin, torch.float32)
+    b = None if bias is None else _contiguous(bias)
+    ratio = nk.compare(
+        kernel, _contiguous(y), block, pred, b, st.ptr("a_sq"), st.ptr("s_sq"), col_sq, f.native
+    )
+    return ratio, st
+
+
+def _native_backward(
+    site: Site,
+    kx: nk._Native | None,
+    kw: nk._Native | None,
+    g: torch.Tensor,
+    x2: torch.Tensor,
+    m: torch.Tensor,
+    grad_x: torch.Tensor | None,
+    stored: torch.Tensor | None,
+    x_stats: nk.Stats | None,
+) -> None:
+    """The grad_x check (when kx) and the weight-gradient check (when kw) by the C passes, from
+    one read of g (its block sums and norms, and its column-block sums for nn.Linear's
+    weight-gradient check)."""
+    kernel = kx or kw
+    assert kernel is not None
+    block = site.block
+    n = x2.shape[0]
+    linear = site.kind == "linear"
+    r = roundoff(g.dtype, g.device)
+    with_x, with_w = kx is not None and grad_x is not None, kw is not None and stored is not None
+    st = nk.stats(kernel, _contiguous(g), block, rows=with_x, cols=with_w and linear)
+    if with_x:
+        assert grad_x is not None and st.rows is not None
+        _, row_sq = site.weight_norms(m, kernel)
+        pred = torch.mm(st.rows, m.t())
+        f = factors(g.shape[1], float(min(n, block)), r, site.margin, torch.float32)
+        ratio = nk.compare(
+            kernel, grad_x, block, pred, None, st.ptr("a_sq"), st.ptr("s_sq"), row_sq, f.native
+        )
+        site.results.append((GRAD_X, ratio))
+    if with_w:
+        assert stored is not None
+        if x_stats is None or (not linear and x_stats.cols is None):
+            x_stats = nk.stats(kernel, _contiguous(x2), block, rows=False, cols=not linear)
+        # grad = P^T Q in the stored layout: the column blocks of P are the checksum rows
+        p_stats, q, q_col_sq = (st, x2, x_stats.col_sq()) if linear else (x_stats, g, st.col_sq())
+        assert p_stats.cols is not None
+        pred = torch.mm(p_stats.cols.t(), q)
+        f = factors(n, float(min(stored.shape[0], block)), r, site.margin, torch.float32)
+        ratio = nk.compare(
+            kernel,
+            _contiguous(stored),
+            block,
+            pred,
+            None,
+            p_stats.ptr("ca_sq"),
+            p_stats.ptr("cs_sq"),
+            q_col_sq,
+            f.native,
+        )
+        site.results.append((GRAD_W, ratio))
+
+
 class CheckedGemm(torch.autograd.Function):
     """The layer's GEMM with its three products checked (see the module docstring)."""
 
@@ -239,32 +340,40 @@ class CheckedGemm(torch.autograd.Function):
         else:
             out = (x2 @ m).view(*x.shape[:-1], m.shape[1])
         y = out.reshape(-1, m.shape[1])
-        site.inject(FWD, y)
+        if site.injectors:
+            site.inject(FWD, y)
         ctx.site = site
         ctx.in_shape = x.shape
-        ctx.x_sq = None
-        site.count(x2.shape[0], k, m.shape[1])
+        ctx.x_sq = ctx.x_stats = None
+        if site.flops is not None:
+            site.count(x2.shape[0], k, m.shape[1])
         if site.active():
-            with torch.no_grad(), _no_autocast(y.device):
-                x_sums = _row_sums(x2, site.block)
-                x_sq = _row_sums(_squares(x2), site.block)  # (B, k)
-                rows = _rows(x2.shape[0], site.block, x_sums)
-                col_sq, _ = site.weight_norms(m)
-                ratio = _check(
-                    site,
-                    k,
-                    _row_sums(y, site.block),
-                    x_sums,
-                    x_sq.sum(1),
-                    rows,
-                    m,
-                    col_sq,
-                    bias,
-                    y,
-                    FWD,
-                )
-            site.results.append((FWD, ratio))
-            ctx.x_sq = x_sq  # its column sums bound the weight gradient's check
+            kernel = site.kernel(FWD, x2, m, bias)
+            if kernel is not None:
+                with _no_autocast(y.device):
+                    ratio, ctx.x_stats = _native_forward(kernel, site, x2, m, bias, y)
+                site.results.append((FWD, ratio))
+            else:
+                with torch.no_grad(), _no_autocast(y.device):
+                    x_sums = _row_sums(x2, site.block)
+                    x_sq = _row_sums(_squares(x2), site.block)  # (B, k)
+                    rows = _rows(x2.shape[0], site.block, x_sums)
+                    col_sq, _ = site.weight_norms(m)
+                    ratio_t = _check(
+                        site,
+                        k,
+                        _row_sums(y, site.block),
+                        x_sums,
+                        x_sq.sum(1),
+                        rows,
+                        m,
+                        col_sq,
+                        bias,
+                        y,
+                        FWD,
+                    )
+                site.results.append((FWD, ratio_t))
+                ctx.x_sq = x_sq  # its column sums bound the weight gradient's check
         ctx.save_for_backward(x2, m)
         return out
 
@@ -279,47 +388,81 @@ class CheckedGemm(torch.autograd.Function):
         grad_x = grad_m = grad_b = None
         n, k = x2.shape
         linear = site.kind == "linear"
+        counting = site.flops is not None
         if need_x:
             grad_x = g @ m.t()
-            site.inject(GRAD_X, grad_x)
-            site.count(n, m.shape[1], k)
+            if site.injectors:
+                site.inject(GRAD_X, grad_x)
+            if counting:
+                site.count(n, m.shape[1], k)
         stored = None  # the weight gradient in the weight's layout
         if need_m:
             stored = g.t() @ x2 if linear else x2.t() @ g
-            site.inject(GRAD_W, stored)
+            if site.injectors:
+                site.inject(GRAD_W, stored)
             grad_m = stored.t() if linear else stored
-            site.count(n, k, m.shape[1])
+            if counting:
+                site.count(n, k, m.shape[1])
         if need_b:
             grad_b = g.sum(0)
         if site.active() and (need_x or need_m):
-            with torch.no_grad(), _no_autocast(g.device):
-                g_sums = _row_sums(g, site.block)
-                g_sq = _row_sums(_squares(g), site.block)  # (B, out)
-                rows = _rows(n, site.block, g_sums)
-                if grad_x is not None:
-                    _, row_sq = site.weight_norms(m)
-                    ratio = _check(
-                        site,
-                        m.shape[1],
-                        _row_sums(grad_x, site.block),
-                        g_sums,
-                        g_sq.sum(1),
-                        rows,
-                        m.t(),
-                        row_sq,
-                        None,
-                        grad_x,
-                        GRAD_X,
-                    )
-                    site.results.append((GRAD_X, ratio))
-                if stored is not None:
-                    x_sq = ctx.x_sq if ctx.x_sq is not None else _row_sums(_squares(x2), n)
-                    x_col_sq, g_col_sq = x_sq.sum(0), g_sq.sum(0)
-                    if linear:
-                        ratio = _check_weight_grad(site, g, g_col_sq, x2, x_col_sq, stored)
-                    else:
-                        ratio = _check_weight_grad(site, x2, x_col_sq, g, g_col_sq, stored)
-                    site.results.append((GRAD_W, ratio))
+            kx = site.kernel(GRAD_X, g, m) if grad_x is not None else None
+            kw = site.kernel(GRAD_W, g, x2) if stored is not None else None
+            if kx is not None or kw is not None:
+                with torch.no_grad(), _no_autocast(g.device):
+                    _native_backward(site, kx, kw, g, x2, m, grad_x, stored, ctx.x_stats)
+            _torch_backward(
+                ctx,
+                site,
+                g,
+                x2,
+                m,
+                grad_x if kx is None else None,
+                stored if kw is None else None,
+            )
         if grad_x is not None:
             grad_x = grad_x.view(ctx.in_shape)
         return grad_x, grad_m, grad_b, None
+
+
+def _torch_backward(
+    ctx: Any,
+    site: Site,
+    g: torch.Tensor,
+    x2: torch.Tensor,
+    m: torch.Tensor,
+    grad_x: torch.Tensor | None,
+    stored: torch.Tensor | None,
+) -> None:
+    """The backward checks in torch ops (the specification) for the passes given."""
+    if grad_x is None and stored is None:
+        return
+    n = x2.shape[0]
+    with torch.no_grad(), _no_autocast(g.device):
+        g_sums = _row_sums(g, site.block)
+        g_sq = _row_sums(_squares(g), site.block)  # (B, out)
+        rows = _rows(n, site.block, g_sums)
+        if grad_x is not None:
+            _, row_sq = site.weight_norms(m)
+            ratio = _check(
+                site,
+                m.shape[1],
+                _row_sums(grad_x, site.block),
+                g_sums,
+                g_sq.sum(1),
+                rows,
+                m.t(),
+                row_sq,
+                None,
+                grad_x,
+                GRAD_X,
+            )
+            site.results.append((GRAD_X, ratio))
+        if stored is not None:
+            x_sq = ctx.x_sq if ctx.x_sq is not None else _row_sums(_squares(x2), n)
+            x_col_sq, g_col_sq = x_sq.sum(0), g_sq.sum(0)
+            if site.kind == "linear":
+                ratio = _check_weight_grad(site, g, g_col_sq, x2, x_col_sq, stored)
+            else:
+                ratio = _check_weight_grad(site, x2, x_col_sq, g, g_col_sq, stored)
+            site.results.append((GRAD_W, ratio))

@@ -17,6 +17,7 @@ per step (no host synchronisation per layer), and `Abft.findings()` reads it onc
 
 from __future__ import annotations
 
+import math
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -108,27 +109,41 @@ class Abft:
 
     def collect(self) -> torch.Tensor | None:
         """(layers, 3) worst ratio per layer and pass since the last reset, on the device; -1
-        where that GEMM did not run; None if nothing was checked. Clears the pending results."""
+        where that GEMM did not run; None if nothing was checked. Clears the pending results.
+
+        A NaN (a non-finite GEMM result) counts as +inf: it must fail. The C path leaves host
+        numbers (its tensors are on the CPU), the torch path device tensors, reduced on the
+        device with one scatter; the square root is taken once per step."""
+        width = len(PASSES)
+        host = [-1.0] * (len(self.sites) * width)
         values, index, sizes = [], [], []
         for s in self.sites:
+            base = s.index * width
             for which, ratio2 in s.results:
-                values.append(ratio2.reshape(-1))
-                index.append(s.index * len(PASSES) + which)
-                sizes.append(ratio2.numel())
+                if isinstance(ratio2, float):
+                    i = base + which
+                    host[i] = max(host[i], ratio2 if ratio2 == ratio2 else math.inf)
+                else:
+                    values.append(ratio2.reshape(-1))
+                    index.append(base + which)
+                    sizes.append(ratio2.numel())
             s.results.clear()
             s.norms = s.bias_norms = None  # a new step: the optimizer may change the weights
         if not values:
-            return None
+            if all(v == -1.0 for v in host):
+                return None
+            rooted = [math.sqrt(v) if v > 0 else v for v in host]
+            return torch.tensor(rooted).view(len(self.sites), width)
         device = values[0].device
         flat = torch.cat(values).float()
         segment = torch.repeat_interleave(
             torch.tensor(index, device=device), torch.tensor(sizes, device=device)
         )
-        worst = torch.full((len(self.sites) * len(PASSES),), -1.0, device=device)
-        # NaN (a non-finite GEMM result) must fail: scatter_reduce's amax would keep it, but make
-        # it explicit, and take the square root once per step
-        worst.scatter_reduce_(0, segment, flat.nan_to_num(nan=float("inf")), reduce="amax")
-        return torch.where(worst > 0, worst.sqrt(), worst).view(len(self.sites), len(PASSES))
+        worst = torch.tensor(host, device=device)
+        worst.scatter_reduce_(
+            0, segment, flat.nan_to_num(nan=math.inf, posinf=math.inf), reduce="amax"
+        )
+        return torch.where(worst > 0, worst.sqrt(), worst).view(len(self.sites), width)
 
     def summary(self, worst: torch.Tensor | None) -> torch.Tensor:
         """[largest ratio, its flat (layer * 3 + pass) index] as float64 on the same device: the

@@ -8,13 +8,14 @@ import tempfile
 from pathlib import Path
 
 from slurm_guard import fingerprint_fast
-from slurm_guard.kernels import native, sketch
+from slurm_guard.kernels import abft_native, native, sketch
 
 
 def main() -> int:
     sources = {
         fingerprint_fast.C_SOURCE: fingerprint_fast.kernel_defines(),
         sketch.C_SOURCE: sketch.kernel_defines(),
+        abft_native.C_SOURCE: abft_native.kernel_defines(),
     }
     if native.compiler() is None:
         print("no C compiler found (set $CC or install cc, gcc or clang)", file=sys.stderr)

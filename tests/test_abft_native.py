@@ -1,0 +1,224 @@
+"""The C checksum passes of checked GEMMs (`kernels/abft_check.c`) against the torch path.
+
+The torch implementation in `slurm_guard.abft.checked` is the specification. The two cannot agree
+bit for bit on a clean GEMM: there the residual is pure rounding noise, and its value depends on
+the order in which each implementation sums a block (torch's reduction kernels vs the C loop). What
+must hold instead, and is tested here on ragged and even shapes, with and without bias, for
+nn.Linear and Conv1D, in all three passes:
+
+* the statistics (block sums, squared norms) agree to float32 rounding;
+* clean GEMMs stay far below the bound in both;
+* with an error d far above the bound injected into one element, the residual is d up to rounding
+  noise, so the two ratios sqrt(ratio) = |d + noise| / bound agree to the bound's own agreement
+  plus noise / d: relative 1e-4 covers both (the noise is below 0.1 bound, d is 1e4 bounds
+  and more; the bounds differ by float32 vs float64 arithmetic, ~1e-6);
+* a non-finite product and an all-zero block behave the same in both (fail / pass).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from slurm_guard.abft import PASSES, attach
+from slurm_guard.abft.checked import _col_sums, _row_sums
+from slurm_guard.kernels import abft_native as nk
+from slurm_guard.kernels import native as nat
+
+needs_native = pytest.mark.skipif(nk.native() is None, reason="abft kernel not built")
+
+
+class Conv1D(nn.Module):
+    """HuggingFace GPT-2's addmm layer (same semantics as transformers' Conv1D)."""
+
+    def __init__(self, nf: int, nx: int, bias: bool = True) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.view(-1, x.size(-1))
+        out = x2 @ self.weight if self.bias is None else torch.addmm(self.bias, x2, self.weight)
+        return out.view(*x.shape[:-1], self.nf)
+
+
+@pytest.mark.skipif(nat.compiler() is None, reason="no C compiler on PATH")
+@pytest.mark.parametrize("flags", [nat.NATIVE_FLAGS, nat.BASE_FLAGS], ids=["native", "portable"])
+def test_the_source_compiles_with_warnings_as_errors(tmp_path: Path, flags: list[str]) -> None:
+    out = tmp_path / "k.so"
+    proc = nat.compile_source(nk.C_SOURCE, nk.kernel_defines(), [*flags, *nat.WARNING_FLAGS], out)
+    assert proc.returncode == 0, proc.stderr
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("n", "d", "block"), [(64, 32, 32), (70, 33, 32), (5, 7, 32), (45, 100, 8)]
+)
+def test_stats_agree_with_torch_sums(n: int, d: int, block: int) -> None:
+    kernel = nk.native()
+    assert kernel is not None
+    a = torch.randn(n, d, generator=torch.Generator().manual_seed(n * d)) * 3
+    st = nk.stats(kernel, a, block, rows=True, cols=True)
+    a64 = a.double()
+    sq = a64.square()
+    rows64 = torch.stack([a64[i : i + block].sum(0) for i in range(0, n, block)])
+    cols64 = torch.stack([a64[:, j : j + block].sum(1) for j in range(0, d, block)], 1)
+    nb, nc = rows64.shape[0], cols64.shape[1]
+    # float32 block sums: within n_b u sum|a| of the exact sums; and the torch path's own sums
+    assert st.rows is not None and st.cols is not None
+    assert torch.allclose(st.rows.double(), rows64, rtol=0, atol=block * 6e-8 * 3 * 4 * block)
+    assert torch.allclose(st.rows, _row_sums(a, block), rtol=1e-5, atol=1e-4)
+    assert torch.allclose(st.cols.double(), cols64, rtol=0, atol=block * 6e-8 * 3 * 4 * block)
+    assert torch.allclose(st.cols, _col_sums(a, block), rtol=1e-5, atol=1e-4)
+    norms = st.norms
+    a_sq = torch.stack([sq[i : i + block].sum() for i in range(0, n, block)])
+    ca_sq = torch.stack([sq[:, j : j + block].sum() for j in range(0, d, block)])
+    for got, want in (
+        (norms[:nb], a_sq),
+        (norms[nb : 2 * nb], st.rows.double().square().sum(1)),
+        (st.col_sq(), sq.sum(0)),
+        (norms[2 * nb + d : 2 * nb + d + nc], ca_sq),
+        (norms[2 * nb + d + nc :], st.cols.double().square().sum(0)),
+    ):
+        assert torch.allclose(got, want, rtol=1e-6, atol=0)
+    row_sq, col_sq = nk.weight_norms(kernel, a)
+    assert torch.allclose(row_sq, sq.sum(1), rtol=1e-6, atol=0)
+    assert torch.allclose(col_sq, sq.sum(0), rtol=1e-6, atol=0)
+
+
+def _model(kind: str, k: int, p: int, bias: bool) -> nn.Module:
+    torch.manual_seed(k * 1000 + p)
+    if kind == "linear":
+        return nn.Sequential(nn.Linear(k, p, bias=bias), nn.Tanh(), nn.Linear(p, 9, bias=bias))
+    return nn.Sequential(Conv1D(p, k, bias=bias), nn.Tanh(), Conv1D(9, p, bias=bias))
+
+
+def _ratios(
+    model: nn.Module,
+    x: torch.Tensor,
+    monkeypatch: pytest.MonkeyPatch,
+    use_native: bool,
+    fault: tuple[int, float] | None = None,
+    block: int = 32,
+) -> tuple[list[list[float]], list[Any]]:
+    """(worst ratio per layer and pass, the result objects) of one forward and backward, by the
+    C path or the torch path; fault = (element, error) added to layer 0's product of every pass."""
+    handle = attach(model, block=block)
+    with monkeypatch.context() as mp:
+        if not use_native:
+            mp.setattr(nk, "native", lambda: None)
+        if fault is not None:
+            for which in PASSES:
+                handle.inject(0, which, lambda t: t.view(-1)[fault[0] % t.numel()].add_(fault[1]))
+        x = x.clone().requires_grad_()
+        model(x).sin().sum().backward()  # type: ignore[no-untyped-call]
+        kinds = [type(r) for s in handle.sites for _, r in s.results]
+        worst = handle.collect()
+        for s in handle.sites:
+            s.injectors.clear()
+    model.zero_grad(set_to_none=True)
+    assert worst is not None
+    return worst.tolist(), kinds
+
+
+SHAPES = [
+    ("linear", 64, 32, 48, True, 32),
+    ("linear", 70, 33, 47, False, 32),
+    ("linear", 5, 7, 3, True, 32),
+    ("linear", 45, 40, 70, True, 8),
+    ("conv1d", 64, 32, 48, True, 32),
+    ("conv1d", 70, 33, 47, False, 32),
+    ("conv1d", 45, 40, 70, True, 8),
+    ("conv1d", 300, 128, 96, True, 32),
+]
+
+
+@needs_native
+@pytest.mark.parametrize(("kind", "n", "k", "p", "bias", "block"), SHAPES)
+def test_native_and_torch_paths_agree(
+    monkeypatch: pytest.MonkeyPatch, kind: str, n: int, k: int, p: int, bias: bool, block: int
+) -> None:
+    model = _model(kind, k, p, bias)
+    x = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
+    clean_n, kinds_n = _ratios(model, x, monkeypatch, True, block=block)
+    clean_t, kinds_t = _ratios(model, x, monkeypatch, False, block=block)
+    assert set(kinds_n) == {float} and float not in kinds_t  # each path really ran
+    for row in clean_n + clean_t:
+        assert all(0 <= r < 0.2 for r in row), (clean_n, clean_t)  # far from a false alarm
+    # an error of 100x the largest output magnitude: 1e4 bounds and more
+    with torch.no_grad():
+        scale = float(model(x).abs().max()) + float(x.abs().max())
+    for element in (0, 17, 10_000):
+        faulty_n, _ = _ratios(model, x, monkeypatch, True, (element, 100 * scale), block)
+        faulty_t, _ = _ratios(model, x, monkeypatch, False, (element, 100 * scale), block)
+        for which in range(3):
+            rn, rt = faulty_n[0][which], faulty_t[0][which]
+            assert rn > 1e4 and rt > 1e4, (which, rn, rt)  # flagged by both
+            assert rn == pytest.approx(rt, rel=1e-4), (which, rn, rt)
+        assert all(0 <= r < 0.2 for r in faulty_n[1] + faulty_t[1])  # the clean layer passes
+
+
+@needs_native
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_all_zero_blocks_pass_and_non_finite_products_fail(
+    monkeypatch: pytest.MonkeyPatch, use_native: bool, kind: str
+) -> None:
+    """A zero block (padding tokens, ignored labels' zero gradients) has a zero residual and,
+    without bias, a zero rounding bound: 0 / 0 must not become a false alarm."""
+    model = _model(kind, 16, 24, False)
+    x = torch.randn(96, 16)
+    x[32:64] = 0  # one whole zero block in the forward
+    x = x.requires_grad_()
+    handle = attach(model)
+    with monkeypatch.context() as mp:
+        if not use_native:
+            mp.setattr(nk, "native", lambda: None)
+        y = model(x)
+        mask = torch.ones_like(y)
+        mask[:32] = 0  # zero gradient rows: a whole zero block in the backward
+        (y * mask).sum().backward()  # type: ignore[no-untyped-call]
+        assert handle.findings(handle.collect()) == []
+        for bad in (float("nan"), float("inf")):
+            for which in PASSES:
+                handle.inject(1, which, lambda t, v=bad: t.view(-1)[3].fill_(v))
+            model(x).sum().backward()  # type: ignore[no-untyped-call]
+            findings = handle.findings(handle.collect())
+            # layer 2's three products fail; the NaN/Inf also reaches layer 0's gradients
+            assert {("2", w) for w in PASSES} <= {(f.layer, f.gemm_pass) for f in findings}
+            assert all(math.isinf(f.ratio) for f in findings), findings
+            handle.sites[1].injectors.clear()
+
+
+@needs_native
+def test_non_contiguous_input_goes_through_the_native_path() -> None:
+    torch.manual_seed(2)
+    layer = nn.Linear(24, 40)
+    handle = attach(layer)
+    x = torch.randn(24, 64).t().requires_grad_()  # (64, 24), column-major
+    layer(x).sum().backward()  # type: ignore[no-untyped-call]
+    assert [type(r) for _, r in handle.sites[0].results] == [float, float, float]
+    assert handle.findings(handle.collect()) == []
+
+
+def test_slurm_guard_native_0_selects_the_torch_path() -> None:
+    code = (
+        "import torch; from torch import nn; from slurm_guard.abft import attach\n"
+        "l = nn.Linear(8, 8); h = attach(l); l(torch.randn(40, 8)).sum().backward()\n"
+        "assert all(isinstance(r, torch.Tensor) for _, r in h.sites[0].results)\n"
+        "assert h.findings(h.collect()) == []\n"
+    )
+    env = {**os.environ, "SLURM_GUARD_NATIVE": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
