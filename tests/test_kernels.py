@@ -71,6 +71,31 @@ def test_native_check_does_not_depend_on_the_thread_count() -> None:
     assert results == {tuple(_bits(sk.reference_check(x, WORDS)))}
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_sketch_only_variant_keeps_the_sketch_bits(dtype: torch.dtype, n: int) -> None:
+    """l1=False (the averaged bucket): the same S bits as the full check, A reported as 0.0,
+    the C kernel bit-identical to the spec, on one thread and on several."""
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3).to(dtype)
+    kernel = sk.native()
+    assert kernel is not None
+    full = sk.reference_check(x, WORDS)
+    spec = sk.reference_check(x, WORDS, l1=False)
+    assert _bits(spec) == _bits(torch.stack([full[0], torch.tensor(0.0).double(), full[2]]))
+    assert _bits(sk.native_check(kernel, x, WORDS, l1=False)) == _bits(spec)
+    assert _bits(kb.bucket_check(x, WORDS, l1=False)) == _bits(spec)
+
+
+@needs_native
+def test_sketch_only_variant_does_not_depend_on_the_thread_count() -> None:
+    x = torch.randn(3_000_000 + 123, generator=torch.Generator().manual_seed(5))
+    kernel = sk.native()
+    assert kernel is not None
+    runs = {tuple(_bits(sk.native_check(kernel, x, WORDS, t, l1=False))) for t in (1, 2, 3, 7)}
+    assert runs == {tuple(_bits(sk.reference_check(x, WORDS, l1=False)))}
+
+
 def test_specification_is_the_sketch_and_norm_it_claims() -> None:
     """S = <x, r> with r = +-1 from sign_bits, A = ||x||_1: close to float64 dot products."""
     x = torch.randn(50_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
@@ -98,6 +123,20 @@ def test_a_nonfinite_element_sets_the_flag_and_the_sketch(impl: str, bad: float)
         x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)).to(dtype)
         x[7777] = bad
         out = kb.bucket_check(x, WORDS) if impl == "native" else sk.reference_check(x, WORDS)
+        assert out[2].item() == 1.0 and not torch.isfinite(out[0]), dtype
+
+
+@pytest.mark.parametrize("impl", ["reference", "native"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_sketch_only_variant_flags_a_nonfinite_element(impl: str, bad: float) -> None:
+    if impl == "native" and sk.native() is None:
+        pytest.skip("bucket-check kernel not built")
+    check = kb.bucket_check if impl == "native" else sk.reference_check
+    for dtype in DTYPES:
+        x = torch.randn(10_000, generator=torch.Generator().manual_seed(0)).to(dtype)
+        assert check(x, WORDS, l1=False)[2].item() == 0.0
+        x[7777] = bad
+        out = check(x, WORDS, l1=False)
         assert out[2].item() == 1.0 and not torch.isfinite(out[0]), dtype
 
 

@@ -111,6 +111,34 @@ def test_triton_bucket_check_is_bit_identical(device: str, dtype: torch.dtype, n
 
 
 @pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", CHECK_SIZES)
+def test_triton_sketch_only_variant_is_bit_identical(
+    device: str, dtype: torch.dtype, n: int
+) -> None:
+    """l1=False, as the hook runs it on the averaged bucket: the spec's bits ([S, 0.0, flag])."""
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 7).to(dtype)
+    out = tk.triton_check(x.to(device), WORDS, l1=False)
+    assert _bits(out) == _bits(sk.reference_check(x, WORDS, l1=False))
+    assert _bits(out)[0] == _bits(sk.reference_check(x, WORDS))[0]
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_triton_sketch_only_variant_flags_nonfinite_and_huge_path(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(9000)
+    x[4321] = float("inf")
+    out = tk.triton_check(x.to(device), WORDS, l1=False).cpu()
+    assert out[2].item() == 1.0 and not torch.isfinite(out[0])
+    monkeypatch.setattr(tk, "_FINISH_MAX", 2)  # partials finished by torch ops
+    y = torch.randn(5 * 4096 + 3, generator=torch.Generator().manual_seed(8))
+    got = tk.triton_check(y.to(device), WORDS, l1=False)
+    assert _bits(got) == _bits(sk.reference_check(y, WORDS, l1=False))
+    assert _bits(tk.triton_check(x.to(device), WORDS, l1=False)) == _bits(out)
+
+
+@pytest.mark.parametrize("device", _devices())
 def test_triton_bucket_check_conserves_within_the_bound(device: str) -> None:
     gen = torch.Generator().manual_seed(2)
     local = [torch.randn(20_000, generator=gen) for _ in range(3)]

@@ -12,20 +12,21 @@ from slurm_guard.kernels.sketch import DTYPES, native, native_check, reference_c
 from slurm_guard.kernels.triton_kernels import available, triton_check
 
 
-def bucket_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
+def bucket_check(bucket: torch.Tensor, words: tuple[int, int], *, l1: bool = True) -> torch.Tensor:
     """float64 [S, A, nonfinite] of a bucket, on its device, by the fastest implementation here.
 
     CPU: the C kernel (torch spec when it cannot be built or the dtype is not a float type it
     reads). CUDA: the Triton kernel when Triton is installed, the torch spec otherwise.
+    l1=False: the sketch-only variant, [S, 0.0, nonfinite of S] (see `kernels.sketch`).
     """
     if bucket.dtype in DTYPES:
         if bucket.device.type == "cpu":
             kernel = native()
             if kernel is not None:
-                return native_check(kernel, bucket, words)
+                return native_check(kernel, bucket, words, l1=l1)
         elif bucket.is_cuda and available(bucket.device):
-            return triton_check(bucket, words)
-    return reference_check(bucket, words)
+            return triton_check(bucket, words, l1=l1)
+    return reference_check(bucket, words, l1=l1)
 
 
 def backend(device: torch.device) -> str:

@@ -18,6 +18,11 @@ Definition (every implementation returns these bits; tested):
   +0.0 to a power of two, by the same tree. Output: float64 [S, A, nonfinite], nonfinite = 1.0
   when A is NaN or infinite (for float32/float16/bfloat16 inputs: iff some element is, since
   a float64 sum of their magnitudes cannot overflow), else 0.0.
+Sketch only (`l1=False`, for the averaged bucket, whose rounding the local buckets' L1 norms
+already bound): A is not formed (a quarter of the arithmetic), S has the same bits, and the
+output is [S, 0.0, nonfinite] with nonfinite = 1.0 when S is NaN or infinite (for
+float32/float16/bfloat16 inputs again iff some element is: signing is exact and the float64 sum
+cannot overflow).
 The order does not depend on threads or devices, so the averaged bucket's sketch has the same
 bits on every rank that holds the same averaged bucket, whichever implementation each rank runs
 (C, torch, Triton) and however many threads it uses: the cross-rank comparison is safe.
@@ -111,16 +116,23 @@ def tree_sum(v: torch.Tensor) -> torch.Tensor:
     return v[..., 0]
 
 
-def reference_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
-    """float64 [S, A, nonfinite] on the bucket's device, in torch ops: the specification."""
+def reference_check(
+    bucket: torch.Tensor, words: tuple[int, int], *, l1: bool = True
+) -> torch.Tensor:
+    """float64 [S, A, nonfinite] on the bucket's device, in torch ops: the specification.
+
+    l1=False: [S, 0.0, nonfinite of S] (the sketch-only variant defined above).
+    """
     flat = bucket.detach().reshape(-1)
     chunks, padded = padded_chunks(flat.numel())
     v = torch.nn.functional.pad(flat.double(), (0, chunks * CHUNK - flat.numel()))
     signed = torch.where(sign_bits(v.numel(), words, v.device), -v, v)
-    parts = torch.stack([signed, v.abs()]).view(2, chunks, CHUNK)
-    parts = tree_sum(parts)  # [2, chunks]
+    parts = torch.stack([signed, v.abs()] if l1 else [signed]).view(-1, chunks, CHUNK)
+    parts = tree_sum(parts)  # [2 or 1, chunks]
     totals = tree_sum(torch.nn.functional.pad(parts, (0, padded - chunks)))
-    nonfinite = (~torch.isfinite(totals[1:2])).double()
+    if not l1:
+        totals = torch.cat([totals, totals.new_zeros(1)])
+    nonfinite = (~torch.isfinite(totals[1:2] if l1 else totals[0:1])).double()
     return torch.cat([totals, nonfinite])
 
 
@@ -131,13 +143,13 @@ class _Native:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, u32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int
         self.check = lib.sg_check
-        self.check.argtypes = [p, i32, i64, u32, u32, p, i64, p]
+        self.check.argtypes = [p, i32, i64, u32, u32, p, i64, p, i32]
         self.check.restype = ctypes.c_int
         self.chunks = lib.sg_check_chunks
-        self.chunks.argtypes = [p, i32, i64, i64, i64, u32, u32, p, p]
+        self.chunks.argtypes = [p, i32, i64, i64, i64, u32, u32, p, p, i32]
         self.chunks.restype = ctypes.c_int
         self.finish = lib.sg_check_finish
-        self.finish.argtypes = [p, p, i64, p]
+        self.finish.argtypes = [p, p, i64, p, i32]
         self.finish.restype = None
 
 
@@ -159,7 +171,12 @@ def native() -> _Native | None:
 
 
 def native_check(
-    kernel: _Native, bucket: torch.Tensor, words: tuple[int, int], threads: int | None = None
+    kernel: _Native,
+    bucket: torch.Tensor,
+    words: tuple[int, int],
+    threads: int | None = None,
+    *,
+    l1: bool = True,
 ) -> torch.Tensor:
     """The C kernel on a CPU tensor of a supported dtype; same bits as `reference_check`."""
     data = bucket.detach()
@@ -171,21 +188,22 @@ def native_check(
     ptr = data.data_ptr() if n else 0
     out = torch.empty(3, dtype=torch.float64)
     workers = min(threads or torch.get_num_threads(), chunks)
+    rows = 2 if l1 else 1
+    s0, s1 = words
     if n < _PARALLEL_MIN_ELEMENTS or workers <= 1:
-        scratch = (ctypes.c_double * (2 * padded))()
-        rc = kernel.check(ptr, dtype, n, words[0], words[1], scratch, padded, out.data_ptr())
+        scratch = (ctypes.c_double * (rows * padded))()
+        rc = kernel.check(ptr, dtype, n, s0, s1, scratch, padded, out.data_ptr(), int(l1))
     else:
-        partials = torch.zeros(2, padded, dtype=torch.float64)
-        ps, pa = partials[0].data_ptr(), partials[1].data_ptr()
+        partials = torch.zeros(rows, padded, dtype=torch.float64)
+        ps, pa = partials[0].data_ptr(), (partials[1].data_ptr() if l1 else None)
         bounds = [chunks * i // workers for i in range(workers + 1)]
 
         def part(i: int) -> int:
-            return int(
-                kernel.chunks(ptr, dtype, n, bounds[i], bounds[i + 1], words[0], words[1], ps, pa)
-            )
+            lo, hi = bounds[i], bounds[i + 1]
+            return int(kernel.chunks(ptr, dtype, n, lo, hi, s0, s1, ps, pa, int(l1)))
 
         rc = max(_kernels.thread_pool(workers).map(part, range(workers)))
-        kernel.finish(ps, pa, padded, out.data_ptr())
+        kernel.finish(ps, pa, padded, out.data_ptr(), int(l1))
     if rc != 0:
         raise RuntimeError(f"native bucket-check kernel failed with code {rc}")
     return out

@@ -94,6 +94,7 @@ def _kernels() -> dict[str, Any]:
         SPAN: tl.constexpr,
         LOG2_SPAN: tl.constexpr,
         IS_F64: tl.constexpr,
+        WITH_L1: tl.constexpr,
     ):
         c = tl.program_id(0).to(tl.int64)
         s0 = s0_arg.to(tl.uint32)
@@ -111,20 +112,22 @@ def _kernels() -> dict[str, Any]:
         h = _mix32(_mix32((e >> 5).to(tl.uint32) ^ s0, m1, m2) ^ s1, m1, m2)
         negative = ((h >> (e & 31).to(tl.uint32)) & 1) == 1
         s = tl.where(negative, -v, v)
-        a = tl.abs(v)
         # the halving tree: streams k and k+4, then k and k+2, then k and k+1 ...
         s = tl.sum(tl.reshape(s, (2, 4, SPAN)), axis=0)
-        a = tl.sum(tl.reshape(a, (2, 4, SPAN)), axis=0)
         s = tl.sum(tl.reshape(s, (2, 2, SPAN)), axis=0)
-        a = tl.sum(tl.reshape(a, (2, 2, SPAN)), axis=0)
         s = tl.sum(s, axis=0)  # two rows: exactly row0 + row1
-        a = tl.sum(a, axis=0)
         # ... then within the span, i and i + h for h = SPAN/2, ..., 1
         for level in tl.static_range(LOG2_SPAN):
             s = tl.sum(tl.reshape(s, (2, SPAN >> (level + 1))), axis=0)
-            a = tl.sum(tl.reshape(a, (2, SPAN >> (level + 1))), axis=0)
         tl.store(ps_ptr + c, tl.sum(tl.reshape(s, (1,)), axis=0))
-        tl.store(pa_ptr + c, tl.sum(tl.reshape(a, (1,)), axis=0))
+        if WITH_L1:  # the same tree over |v|; skipped for the averaged bucket
+            a = tl.abs(v)
+            a = tl.sum(tl.reshape(a, (2, 4, SPAN)), axis=0)
+            a = tl.sum(tl.reshape(a, (2, 2, SPAN)), axis=0)
+            a = tl.sum(a, axis=0)
+            for level in tl.static_range(LOG2_SPAN):
+                a = tl.sum(tl.reshape(a, (2, SPAN >> (level + 1))), axis=0)
+            tl.store(pa_ptr + c, tl.sum(tl.reshape(a, (1,)), axis=0))
 
     @triton.jit  # type: ignore[untyped-decorator]
     def nh_kernel(  # type: ignore[no-untyped-def]
@@ -155,19 +158,31 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit  # type: ignore[untyped-decorator]
     def finish_kernel(  # type: ignore[no-untyped-def]
-        ps_ptr, pa_ptr, chunks, out_ptr, PADDED: tl.constexpr, LOG2_PADDED: tl.constexpr
+        ps_ptr,
+        pa_ptr,
+        chunks,
+        out_ptr,
+        PADDED: tl.constexpr,
+        LOG2_PADDED: tl.constexpr,
+        WITH_L1: tl.constexpr,
     ):
         i = tl.arange(0, PADDED)
         s = tl.load(ps_ptr + i, mask=i < chunks, other=0.0)  # +0.0 padding, as defined
-        a = tl.load(pa_ptr + i, mask=i < chunks, other=0.0)
         for level in tl.static_range(LOG2_PADDED):
             s = tl.sum(tl.reshape(s, (2, PADDED >> (level + 1))), axis=0)
-            a = tl.sum(tl.reshape(a, (2, PADDED >> (level + 1))), axis=0)
         total_s = tl.sum(tl.reshape(s, (1,)), axis=0)
-        total_a = tl.sum(tl.reshape(a, (1,)), axis=0)
         tl.store(out_ptr, total_s)
-        tl.store(out_ptr + 1, total_a)
-        tl.store(out_ptr + 2, tl.where(total_a <= 1.7976931348623157e308, 0.0, 1.0))
+        if WITH_L1:
+            a = tl.load(pa_ptr + i, mask=i < chunks, other=0.0)
+            for level in tl.static_range(LOG2_PADDED):
+                a = tl.sum(tl.reshape(a, (2, PADDED >> (level + 1))), axis=0)
+            total_a = tl.sum(tl.reshape(a, (1,)), axis=0)
+            tl.store(out_ptr + 1, total_a)
+            tl.store(out_ptr + 2, tl.where(total_a <= 1.7976931348623157e308, 0.0, 1.0))
+        else:  # sketch only: A not formed, the flag from S (NaN fails both comparisons)
+            finite = (total_s <= 1.7976931348623157e308) & (total_s >= -1.7976931348623157e308)
+            tl.store(out_ptr + 1, 0.0)
+            tl.store(out_ptr + 2, tl.where(finite, 0.0, 1.0))
 
     _compiled.update(check=check_kernel, nh=nh_kernel, finish=finish_kernel)
     return _compiled
@@ -179,13 +194,14 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
-    """float64 [S, A, nonfinite] of a bucket on its device: the bits of `sketch.reference_check`."""
+def triton_check(bucket: torch.Tensor, words: tuple[int, int], *, l1: bool = True) -> torch.Tensor:
+    """float64 [S, A, nonfinite] of a bucket on its device: the bits of `sketch.reference_check`
+    (l1=False: its sketch-only variant)."""
     with _on(bucket.device):
-        return _triton_check(bucket, words)
+        return _triton_check(bucket, words, l1)
 
 
-def _triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
+def _triton_check(bucket: torch.Tensor, words: tuple[int, int], l1: bool) -> torch.Tensor:
     x = bucket.detach().reshape(-1)
     if not x.is_contiguous():
         x = x.contiguous()
@@ -193,7 +209,8 @@ def _triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
     chunks, padded = _sketch.padded_chunks(n)
     fused_finish = padded <= _FINISH_MAX
     alloc = torch.empty if fused_finish else torch.zeros
-    partials = alloc(2, padded, dtype=torch.float64, device=x.device)
+    partials = alloc(2 if l1 else 1, padded, dtype=torch.float64, device=x.device)
+    pa = partials[1 if l1 else 0]  # not written without l1
     span = _sketch.CHUNK // 8
     _kernels()["check"][(chunks,)](
         x,
@@ -203,24 +220,28 @@ def _triton_check(bucket: torch.Tensor, words: tuple[int, int]) -> torch.Tensor:
         _sketch.MIX_M1,
         _sketch.MIX_M2,
         partials[0],
-        partials[1],
+        pa,
         SPAN=span,
         LOG2_SPAN=span.bit_length() - 1,
         IS_F64=x.dtype == torch.float64,
+        WITH_L1=l1,
     )
     if fused_finish:  # one more launch instead of ~log2(chunks) elementwise torch ops
         out = torch.empty(3, dtype=torch.float64, device=x.device)
         _kernels()["finish"][(1,)](
             partials[0],
-            partials[1],
+            pa,
             chunks,
             out,
             PADDED=padded,
             LOG2_PADDED=padded.bit_length() - 1,
+            WITH_L1=l1,
         )
         return out
     totals = _sketch.tree_sum(partials)
-    return torch.cat([totals, (~torch.isfinite(totals[1:2])).double()])
+    if not l1:
+        totals = torch.cat([totals, totals.new_zeros(1)])
+    return torch.cat([totals, (~torch.isfinite(totals[1:2] if l1 else totals[0:1])).double()])
 
 
 def nh_blocks(raw: torch.Tensor, keys: torch.Tensor, nh_words: int) -> torch.Tensor:
