@@ -27,18 +27,26 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #define TILE 512 /* columns of the product summed at once in the compare pass (2 KiB) */
 #define LANES 8  /* interleaved partial sums of a horizontal sum: one AVX register */
 
-/* Sum of w consecutive floats: LANES interleaved float32 partial sums, joined by a fixed tree. */
+/* The fixed tree joining 8 lanes; the AVX path below forms the same sums with hadd. */
+static inline float join8(const float *l) {
+    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+/* Sum of w consecutive floats: LANES interleaved float32 partial sums, joined by join8. */
 static inline float lane_sum(const float *p, int64_t w) {
     float l[LANES] = {0};
     int64_t j = 0;
     for (; j + LANES <= w; j += LANES)
         for (int k = 0; k < LANES; k++) l[k] += p[j + k];
     for (int k = 0; j + k < w; k++) l[k] += p[j + k];
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+    return join8(l);
 }
 
 /* Sum of the squares of w consecutive floats, the same way. */
@@ -48,7 +56,34 @@ static inline float lane_sum_sq(const float *p, int64_t w) {
     for (; j + LANES <= w; j += LANES)
         for (int k = 0; k < LANES; k++) l[k] += p[j + k] * p[j + k];
     for (int k = 0; j + k < w; k++) l[k] += p[j + k] * p[j + k];
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+    return join8(l);
+}
+
+/* Column-block sums of 4 consecutive rows (row stride d) into out[0], out[nc], out[2 nc],
+ * out[3 nc] for every column block: the same lanes and tree as lane_sum, 4 rows at a time. */
+static void block_sums4(const float *x, int64_t d, int64_t block, int64_t nc, float *out) {
+    for (int64_t c = 0; c < nc; c++) {
+        int64_t c0 = c * block, w = c0 + block < d ? block : d - c0;
+#if defined(__AVX__)
+        if (w % LANES == 0) {
+            __m256 l[4];
+            for (int r = 0; r < 4; r++) {
+                const float *p = x + r * d + c0;
+                __m256 v = _mm256_loadu_ps(p);
+                for (int64_t j = LANES; j < w; j += LANES) v = _mm256_add_ps(v, _mm256_loadu_ps(p + j));
+                l[r] = v;
+            }
+            /* hadd: (l0+l1, l2+l3 | l4+l5, l6+l7) per row, then the pairs, then the halves */
+            __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(l[0], l[1]), _mm256_hadd_ps(l[2], l[3]));
+            __m128 t = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+            float o[4];
+            _mm_storeu_ps(o, t);
+            for (int r = 0; r < 4; r++) out[r * nc + c] = o[r];
+            continue;
+        }
+#endif
+        for (int r = 0; r < 4; r++) out[r * nc + c] = lane_sum(x + r * d + c0, w);
+    }
 }
 
 /* One pass over A (n, d), float32, contiguous. Row blocks are `block` rows (the last may be
@@ -69,7 +104,7 @@ int sg_abft_stats(const float *a, int64_t n, int64_t d, int64_t block, float *rs
     if (block < 1 || n < 0 || d < 0) return -2;
     int64_t nb = (n + block - 1) / block, nc = (d + block - 1) / block;
     int want_sq = a_sq != NULL || col_sq != NULL;
-    float *sq = NULL;
+    float *restrict sq = NULL;
     if (want_sq) {
         sq = (float *)malloc((size_t)(d > 0 ? d : 1) * sizeof(float));
         if (sq == NULL) return -1;
@@ -78,32 +113,45 @@ int sg_abft_stats(const float *a, int64_t n, int64_t d, int64_t block, float *rs
     if (cs_sq != NULL && cblk != NULL) memset(cs_sq, 0, (size_t)nc * sizeof(double));
     for (int64_t b = 0; b < nb; b++) {
         int64_t r0 = b * block, r1 = r0 + block < n ? r0 + block : n;
-        float *rs = rsum != NULL ? rsum + b * d : NULL;
+        float *restrict rs = rsum != NULL ? rsum + b * d : NULL;
         if (rs != NULL) memset(rs, 0, (size_t)d * sizeof(float));
         if (sq != NULL) memset(sq, 0, (size_t)d * sizeof(float));
-        for (int64_t i = r0; i < r1; i++) {
-            const float *row = a + i * d;
+        int64_t i = r0;
+        for (; i + 4 <= r1; i += 4) {
+            const float *x0 = a + i * d, *x1 = x0 + d, *x2 = x1 + d, *x3 = x2 + d;
             if (rs != NULL && sq != NULL) {
                 for (int64_t j = 0; j < d; j++) {
-                    float v = row[j];
-                    rs[j] += v;
-                    sq[j] += v * v;
+                    float v0 = x0[j], v1 = x1[j], v2 = x2[j], v3 = x3[j];
+                    rs[j] = (((rs[j] + v0) + v1) + v2) + v3;
+                    sq[j] = (((sq[j] + v0 * v0) + v1 * v1) + v2 * v2) + v3 * v3;
                 }
             } else if (rs != NULL) {
-                for (int64_t j = 0; j < d; j++) rs[j] += row[j];
+                for (int64_t j = 0; j < d; j++) rs[j] = (((rs[j] + x0[j]) + x1[j]) + x2[j]) + x3[j];
             } else if (sq != NULL) {
-                for (int64_t j = 0; j < d; j++) sq[j] += row[j] * row[j];
+                for (int64_t j = 0; j < d; j++)
+                    sq[j] = (((sq[j] + x0[j] * x0[j]) + x1[j] * x1[j]) + x2[j] * x2[j]) + x3[j] * x3[j];
             }
+            if (row_sq != NULL)
+                for (int r = 0; r < 4; r++) row_sq[i + r] = (double)lane_sum_sq(x0 + r * d, d);
+            if (cblk != NULL) block_sums4(x0, d, block, nc, cblk + i * nc);
+        }
+        for (; i < r1; i++) {
+            const float *row = a + i * d;
+            if (rs != NULL)
+                for (int64_t j = 0; j < d; j++) rs[j] += row[j];
+            if (sq != NULL)
+                for (int64_t j = 0; j < d; j++) sq[j] += row[j] * row[j];
             if (row_sq != NULL) row_sq[i] = (double)lane_sum_sq(row, d);
-            if (cblk != NULL) {
-                float *cb = cblk + i * nc;
+            if (cblk != NULL)
                 for (int64_t c = 0; c < nc; c++) {
                     int64_t c0 = c * block, w = c0 + block < d ? block : d - c0;
-                    cb[c] = lane_sum(row + c0, w);
-                    if (cs_sq != NULL) cs_sq[c] += (double)cb[c] * (double)cb[c];
+                    cblk[i * nc + c] = lane_sum(row + c0, w);
                 }
-            }
         }
+        if (cs_sq != NULL && cblk != NULL)
+            for (int64_t r = r0; r < r1; r++)
+                for (int64_t c = 0; c < nc; c++)
+                    cs_sq[c] += (double)cblk[r * nc + c] * (double)cblk[r * nc + c];
         if (sq != NULL) {
             double t = 0.0;
             for (int64_t j = 0; j < d; j++) t += (double)sq[j];
@@ -156,7 +204,12 @@ double sg_abft_compare(const float *out, int64_t rows, int64_t p, int64_t block,
         for (int64_t c0 = 0; c0 < p; c0 += TILE) {
             int64_t w = c0 + TILE < p ? TILE : p - c0;
             memset(acc, 0, (size_t)w * sizeof(float));
-            for (int64_t i = r0; i < r1; i++) {
+            int64_t i = r0;
+            for (; i + 4 <= r1; i += 4) {
+                const float *y0 = out + i * p + c0, *y1 = y0 + p, *y2 = y1 + p, *y3 = y2 + p;
+                for (int64_t j = 0; j < w; j++) acc[j] = (((acc[j] + y0[j]) + y1[j]) + y2[j]) + y3[j];
+            }
+            for (; i < r1; i++) {
                 const float *row = out + i * p + c0;
                 for (int64_t j = 0; j < w; j++) acc[j] += row[j];
             }
