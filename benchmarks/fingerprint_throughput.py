@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from _common import median, table, write_json
@@ -24,7 +26,9 @@ from slurm_guard.fingerprint import Fingerprinter
 from slurm_guard.kernels import bucket as kb
 from slurm_guard.kernels import sketch as sk
 
-GOAL = 0.80  # fraction of tensor.sum() bandwidth
+GOAL = 0.80  # fraction of tensor.sum() bandwidth (issue 12)
+GOAL_SIZES = (10**6, 10**7, 10**8)  # float32 elements, one thread
+GOAL_THREADS = 1
 
 
 def per_call(fn: Callable[[], object], budget_s: float) -> float:
@@ -54,6 +58,31 @@ def _hook_variants(seed: int, largest: int) -> dict[str, Callable[[torch.Tensor]
     }
 
 
+def _goal(records: list[dict[str, Any]], variant: str) -> dict[str, Any]:
+    """The issue's goal, judged only where it is defined: the native fingerprint at 1e6, 1e7
+    and 1e8 float32 elements on one thread. `met` is None when a size was not measured."""
+    fractions: dict[str, float | None] = {}
+    for n in GOAL_SIZES:
+        found = [
+            float(r["fraction_of_sum"])
+            for r in records
+            if r["variant"] == variant and r["elements"] == n and r["threads"] == GOAL_THREADS
+        ]
+        fractions[f"{n:.0e}"] = found[0] if found else None
+    measured = [f for f in fractions.values() if f is not None]
+    met = None if len(measured) < len(GOAL_SIZES) else all(f >= GOAL for f in measured)
+    verdict = {None: "not fully measured", True: "met", False: "missed"}[met]
+    parts = ", ".join(
+        f"{size}: " + ("not measured" if f is None else f"{f:.2f}x" + (" ok" if f >= GOAL else ""))
+        for size, f in fractions.items()
+    )
+    line = (
+        f"goal: {variant} >= {GOAL:.2f}x of sum() at 1e6, 1e7, 1e8 elements, "
+        f"{GOAL_THREADS} thread: {verdict} ({parts})"
+    )
+    return {"fractions": fractions, "met": met, "line": line}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="sizes up to 1e7, 5 rounds")
@@ -81,7 +110,8 @@ def main() -> None:
     slow = {"fast (torch path)", "reference (fingerprint.py)"}
     if args.with_hook_check:
         variants.update(_hook_variants(seed, max(sizes)))
-    records = []
+    records: list[dict[str, Any]] = []
+    load_before = os.getloadavg()[0]
     for threads in args.threads:
         torch.set_num_threads(threads)
         for n in sizes:
@@ -96,11 +126,13 @@ def main() -> None:
                         continue  # seconds per call: three rounds at small sizes say enough
                     call = functools.partial(variants[name], t)
                     times[name].append(per_call(call, 0.05 + nbytes / 4e9))
-            floor = median(times["sum"])
             for name, ts in times.items():
                 if not ts:
                     continue
                 sec = median(ts)
+                # Per-round ratios against the sum() timed in the same round, then their median:
+                # steadier than a ratio of medians when other jobs load the machine in bursts.
+                ratios = [s / t for s, t in zip(times["sum"], ts, strict=False)]
                 records.append(
                     {
                         "threads": threads,
@@ -109,7 +141,7 @@ def main() -> None:
                         "variant": name,
                         "seconds": sec,
                         "gb_per_s": nbytes / sec / 1e9,
-                        "fraction_of_sum": floor / sec,
+                        "fraction_of_sum": median(ratios),
                         "rounds": len(ts),
                     }
                 )
@@ -121,17 +153,26 @@ def main() -> None:
         f"fast fingerprint backend: {backend}; float32 tensors on CPU; medians of {rounds} rounds"
     )
     print(table(["threads", "elements", "variant", "GB/s", "x sum()"], rows))
-    fast_rows = [
-        r for r in records if r["variant"].startswith("fast (") and "torch" not in r["variant"]
-    ]
-    met = all(r["fraction_of_sum"] >= GOAL for r in fast_rows)
-    worst = min((r["fraction_of_sum"] for r in fast_rows), default=0.0)
+    goal = _goal(records, f"fast ({backend})")
+    load_after = os.getloadavg()[0]
+    print(f"\n{goal['line']}")
     print(
-        f"\ngoal >= {GOAL:.0%} of sum() bandwidth: {'met' if met else 'missed'} (worst {worst:.0%})"
+        f"load average (1 min) before/after the run: {load_before:.1f}/{load_after:.1f} on "
+        f"{os.cpu_count()} CPUs; ratios from a loaded machine are noisy, so repeat before "
+        "concluding"
     )
     path = write_json(
         "fingerprint_throughput",
-        {"backend": backend, "goal_fraction": GOAL, "goal_met": met, "records": records},
+        {
+            "backend": backend,
+            "goal_fraction": GOAL,
+            "goal_threads": GOAL_THREADS,
+            "goal_elements": list(GOAL_SIZES),
+            "goal_fractions": goal["fractions"],
+            "goal_met": goal["met"],
+            "load_average_before_after": [load_before, load_after],
+            "records": records,
+        },
         args.json,
     )
     print(f"wrote {path}")

@@ -67,6 +67,29 @@ def test_native_matches_torch_reference_bit_for_bit(fp: ff.FastFingerprinter, nb
 
 
 @native_only
+@pytest.mark.parametrize("nbytes", [4097, 3 * 524_288 + 5])
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_native_matches_torch_at_unaligned_addresses(
+    fp: ff.FastFingerprinter, nbytes: int, offset: int
+) -> None:
+    # A contiguous slice starting mid-buffer: the kernel's vector loads and prefetches run from
+    # an address that is not 4-byte aligned, and the last block is partial.
+    base = torch.randint(
+        0, 256, (nbytes + offset,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+    )
+    t = base[offset:]
+    assert t.is_contiguous() and t.data_ptr() % 4 != 0
+    assert _native(fp)(t) == _torch(fp)(t)
+
+
+@native_only
+def test_native_reads_parameters_that_require_grad(fp: ff.FastFingerprinter) -> None:
+    w = torch.nn.Parameter(torch.randn(64, 33, generator=torch.Generator().manual_seed(3)))
+    for view in (w, w.t()):  # contiguous: read in place; transposed: copied first
+        assert _native(fp)(view) == _torch(fp)(view.detach())
+
+
+@native_only
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.bool]
 )
