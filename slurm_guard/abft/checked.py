@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from slurm_guard.abft.bounds import check_dtype, factors, residual_bound, roundoff
+from slurm_guard.abft.bounds import Factors, check_dtype, factors, residual_bound, roundoff
 from slurm_guard.kernels import abft_native as nk
 
 FWD, GRAD_X, GRAD_W = 0, 1, 2
@@ -61,6 +61,7 @@ class Site:
     # testing aid (benchmarks/campaign.py): {"which": pass} keeps that pass's next squared
     # bound under "bound2", so a harness can tell whether an injected error was above it
     probe: dict[str, Any] | None = None
+    _factors: dict[tuple[int, int, float], Factors] = field(default_factory=dict, repr=False)
 
     def active(self) -> bool:
         return self.checking and not self.suspended()
@@ -87,17 +88,19 @@ class Site:
         weight per step: kept until the weight changes (version counter) or the step ends.
         With the C kernel they are float64 (what its compare pass reads), else the check dtype."""
         key = (m.data_ptr(), m._version, m.shape[0], kernel is not None)
-        if self.norms is None or self.norms[0] != key:
-            w = m.t() if self.kind == "linear" else m  # the stored, contiguous layout
-            if kernel is not None:
-                along, across = nk.weight_norms(kernel, w if w.is_contiguous() else w.contiguous())
-            else:
-                sq = _squares(w)
-                along = sq.sum(1)
-                across = torch.mv(sq.t(), torch.ones(sq.shape[0], dtype=sq.dtype, device=sq.device))
-            col, row = (along, across) if self.kind == "linear" else (across, along)
-            self.norms = (key, col, row)
-        return self.norms[1], self.norms[2]
+        norms = self.norms
+        if norms is not None and norms[0] == key:
+            return norms[1], norms[2]
+        w = m.t() if self.kind == "linear" else m  # the stored, contiguous layout
+        if kernel is not None:
+            along, across = nk.weight_norms(kernel, w if w.is_contiguous() else w.contiguous())
+        else:
+            sq = _squares(w)
+            along = sq.sum(1)
+            across = torch.mv(sq.t(), torch.ones(sq.shape[0], dtype=sq.dtype, device=sq.device))
+        col, row = (along, across) if self.kind == "linear" else (across, along)
+        self.norms = (key, col, row)
+        return col, row
 
     def kernel(self, which: int, *tensors: torch.Tensor | None) -> nk._Native | None:
         """The C kernel when it can check this pass: float32 CPU operands, built, and no bound
@@ -106,9 +109,19 @@ class Site:
         if probe is not None and probe.get("which") == which and "bound2" not in probe:
             return None
         for t in tensors:
-            if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu"):
+            if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
                 return None
         return nk.native()
+
+    def factors(self, q: int, n_max: int, like: torch.Tensor) -> Factors:
+        """The bound's numbers for a float32 product (`bounds.factors`), kept per shape: per
+        step only the norms change, and hashing the full key costs more than the lookup here."""
+        key = (q, n_max, self.margin)
+        f = self._factors.get(key)
+        if f is None:
+            r = roundoff(like.dtype, like.device)
+            f = self._factors[key] = factors(q, float(n_max), r, self.margin, torch.float32)
+        return f
 
 
 _SCRATCH: dict[tuple[torch.dtype, torch.device, int], torch.Tensor] = {}
@@ -262,11 +275,9 @@ def _native_forward(
     st = nk.stats(kernel, _contiguous(x2), block, rows=True, cols=site.kind == "addmm")
     col_sq, _ = site.weight_norms(m, kernel)
     pred = torch.mm(st.rows, m)  # type: ignore[arg-type]
-    f = factors(k, float(min(n, block)), roundoff(y.dtype, y.device), site.margin, torch.float32)
+    f = site.factors(k, min(n, block), y)
     b = None if bias is None else _contiguous(bias)
-    ratio = nk.compare(
-        kernel, _contiguous(y), block, pred, b, st.ptr("a_sq"), st.ptr("s_sq"), col_sq, f.native
-    )
+    ratio = nk.compare(kernel, _contiguous(y), block, pred, b, st.a_sq, st.s_sq, col_sq, f.native)
     return ratio, st
 
 
@@ -289,17 +300,14 @@ def _native_backward(
     block = site.block
     n = x2.shape[0]
     linear = site.kind == "linear"
-    r = roundoff(g.dtype, g.device)
     with_x, with_w = kx is not None and grad_x is not None, kw is not None and stored is not None
     st = nk.stats(kernel, _contiguous(g), block, rows=with_x, cols=with_w and linear)
     if with_x:
         assert grad_x is not None and st.rows is not None
         _, row_sq = site.weight_norms(m, kernel)
         pred = torch.mm(st.rows, m.t())
-        f = factors(g.shape[1], float(min(n, block)), r, site.margin, torch.float32)
-        ratio = nk.compare(
-            kernel, grad_x, block, pred, None, st.ptr("a_sq"), st.ptr("s_sq"), row_sq, f.native
-        )
+        f = site.factors(g.shape[1], min(n, block), g)
+        ratio = nk.compare(kernel, grad_x, block, pred, None, st.a_sq, st.s_sq, row_sq, f.native)
         site.results.append((GRAD_X, ratio))
     if with_w:
         assert stored is not None
@@ -309,15 +317,15 @@ def _native_backward(
         p_stats, q, q_col_sq = (st, x2, x_stats.col_sq()) if linear else (x_stats, g, st.col_sq())
         assert p_stats.cols is not None
         pred = torch.mm(p_stats.cols.t(), q)
-        f = factors(n, float(min(stored.shape[0], block)), r, site.margin, torch.float32)
+        f = site.factors(n, min(stored.shape[0], block), g)
         ratio = nk.compare(
             kernel,
             _contiguous(stored),
             block,
             pred,
             None,
-            p_stats.ptr("ca_sq"),
-            p_stats.ptr("cs_sq"),
+            p_stats.ca_sq,
+            p_stats.cs_sq,
             q_col_sq,
             f.native,
         )

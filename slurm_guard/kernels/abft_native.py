@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from dataclasses import dataclass
 
 import torch
 
@@ -61,57 +60,52 @@ def eligible(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
-@dataclass
 class Stats:
     """What one pass over an operand A (n, d) yields (see `stats`); None where not asked for.
 
     `rows` (B, d) float32: row-block sums, the checksum GEMM's left operand. `norms` float64
-    holds a_sq (B,), s_sq (B,), col_sq (d,) and, with column blocks, ca_sq and cs_sq (C,) at
-    the offsets below, so one allocation serves them all. `cols` (n, C) float32: column-block
-    sums, the left operand (transposed) of the weight-gradient check.
+    holds a_sq (B,), s_sq (B,), col_sq (d,) and, with column blocks, ca_sq and cs_sq (C,), so
+    one allocation serves them all; `a_sq`, `s_sq`, `ca_sq`, `cs_sq` are their addresses (what
+    `compare` takes). `cols` (n, C) float32: column-block sums, the left operand (transposed)
+    of the weight-gradient check.
     """
 
-    rows: torch.Tensor | None
-    norms: torch.Tensor
-    cols: torch.Tensor | None
-    n_blocks: int
-    n_col_blocks: int
-    width: int
+    __slots__ = ("_b", "a_sq", "ca_sq", "cols", "cs_sq", "norms", "rows", "s_sq", "width")
 
-    def ptr(self, name: str) -> int:
-        """Address of one of a_sq, s_sq, col_sq, ca_sq, cs_sq inside `norms`."""
-        b, c, d = self.n_blocks, self.n_col_blocks, self.width
-        offset = {"a_sq": 0, "s_sq": b, "col_sq": 2 * b, "ca_sq": 2 * b + d, "cs_sq": 2 * b + d + c}
-        return self.norms.data_ptr() + 8 * offset[name]
+    def __init__(self, n: int, d: int, block: int, rows: bool, cols: bool) -> None:
+        nb = -(-n // block) if rows else 0
+        nc = -(-d // block) if cols else 0
+        self.norms = torch.empty(2 * nb + d + 2 * nc, dtype=torch.float64)
+        self.rows = torch.empty(nb, d, dtype=torch.float32) if rows else None
+        self.cols = torch.empty(n, nc, dtype=torch.float32) if cols else None
+        base = self.norms.data_ptr()
+        self.a_sq, self.s_sq = base, base + 8 * nb
+        self.ca_sq, self.cs_sq = base + 8 * (2 * nb + d), base + 8 * (2 * nb + d + nc)
+        self.width, self._b = d, nb
 
     def col_sq(self) -> torch.Tensor:
-        b, d = self.n_blocks, self.width
-        return self.norms[2 * b : 2 * b + d]
+        b = self._b
+        return self.norms[2 * b : 2 * b + self.width]
 
 
 def stats(kernel: _Native, a: torch.Tensor, block: int, rows: bool, cols: bool) -> Stats:
     """One read of A (n, d): squared norms always; row-block sums (with a_sq, s_sq) if `rows`;
     column-block sums (with ca_sq, cs_sq) if `cols`. A must be `eligible`."""
     n, d = a.shape
-    nb = -(-n // block) if rows else 0
-    nc = -(-d // block) if cols else 0
-    norms = torch.empty(2 * nb + d + 2 * nc, dtype=torch.float64)
-    rsum = torch.empty(nb, d, dtype=torch.float32) if rows else None
-    csum = torch.empty(n, nc, dtype=torch.float32) if cols else None
-    out = Stats(rsum, norms, csum, nb, nc, d)
+    out = Stats(n, d, block, rows, cols)
     rc = kernel.stats(
         a.data_ptr(),
         n,
         d,
         block,
-        rsum.data_ptr() if rsum is not None else None,
-        out.ptr("a_sq") if rows else None,
-        out.ptr("s_sq") if rows else None,
-        out.ptr("col_sq"),
+        out.rows.data_ptr() if out.rows is not None else None,
+        out.a_sq if rows else None,
+        out.s_sq if rows else None,
+        out.a_sq + 16 * out._b,  # col_sq
         None,
-        csum.data_ptr() if csum is not None else None,
-        out.ptr("cs_sq") if cols else None,
-        out.ptr("ca_sq") if cols else None,
+        out.cols.data_ptr() if out.cols is not None else None,
+        out.cs_sq if cols else None,
+        out.ca_sq if cols else None,
     )
     if rc != 0:
         raise MemoryError(f"abft stats kernel failed with code {rc}")
