@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +14,11 @@ import torch.distributed as dist
 
 from slurm_guard.local_launch import free_port
 from slurm_guard.slurm.launch import (
+    ADDR_ENV,
     PORT_BASE,
     PORT_ENV,
     PORT_SPAN,
+    RUN_DIR_ENV,
     LaunchError,
     check_run_dir,
     init_distributed_from_slurm,
@@ -22,9 +26,11 @@ from slurm_guard.slurm.launch import (
     recovery_lines,
     render_sbatch,
     rendezvous_address,
+    rendezvous_file,
+    step_rendezvous_address,
     task_from_env,
 )
-from slurm_guard.slurm.parsers import NodeInfo
+from slurm_guard.slurm.parsers import NodeInfo, expand_hostlist
 
 DATA = Path(__file__).resolve().parent / "data"
 WEIRD_RUN_DIR = "/shared/we$ird;(run)&%x"
@@ -182,3 +188,99 @@ def test_in_job_recovery_lines_keep_srun_status() -> None:
     assert lines[0] == "sg_rc=$?"
     assert "/bin/slurm-guard recover --run-dir /r --state-dir /state" in lines[1]
     assert lines[-1] == 'exit "$sg_rc"'
+
+
+# ------------------------------------------------------------------ one Slurm query per job step
+
+
+def _task_env(rank: int, run_dir: Path | None, **extra: str) -> dict[str, str]:
+    env = {
+        **TASK_ENV,
+        "SLURM_PROCID": str(rank),
+        "SLURM_NTASKS": "3",
+        "SLURM_NODEID": str(rank),
+        "SLURM_LOCALID": "0",
+        "SLURM_STEP_ID": "0",
+        **extra,
+    }
+    if run_dir is not None:
+        env[RUN_DIR_ENV] = str(run_dir)
+    return env
+
+
+def test_hostlists_expand_as_scontrol_does() -> None:
+    """Every task expands the node list itself: the recorded output of `scontrol show hostnames`
+    (local cluster, tests/data/hostnames_forms.json) for zero padding, mixed widths, several
+    brackets and lists."""
+    recorded = json.loads((DATA / "hostnames_forms.json").read_text())
+    assert len(recorded["expansions"]) >= 15
+    for expr, names in recorded["expansions"].items():
+        assert expand_hostlist(expr) == names, expr
+
+
+def test_only_rank_zero_asks_slurm_and_the_others_read_its_record(tmp_path: Path) -> None:
+    client = FakeClient({"gpu-07": "10.1.2.7"})
+    zero = task_from_env(_task_env(0, tmp_path))
+    assert step_rendezvous_address(zero, client, _task_env(0, tmp_path)) == "10.1.2.7"  # type: ignore[arg-type]
+    assert client.asked == ["gpu-07"]
+
+    def factory() -> Any:
+        raise AssertionError("a rank other than 0 built a Slurm client")
+
+    for rank in (1, 2):
+        task = task_from_env(_task_env(rank, tmp_path))
+        assert step_rendezvous_address(task, factory, _task_env(rank, tmp_path)) == "10.1.2.7"
+    record = json.loads(rendezvous_file(tmp_path, zero, "0").read_text())
+    assert record == {"job": "4242", "node": "gpu-07", "address": "10.1.2.7", "error": None}
+    # a requeued run (restart count 3) does not take the previous run's record
+    later = task_from_env(_task_env(1, tmp_path, SLURM_RESTART_COUNT="3"))
+    with pytest.raises(LaunchError, match="did not publish"):
+        step_rendezvous_address(later, factory, _task_env(1, tmp_path), timedelta(seconds=0.2))
+
+
+def test_a_waiting_rank_times_out_with_the_fix() -> None:
+    task = task_from_env(_task_env(2, Path("/nonexistent-run-dir")))
+    with pytest.raises(LaunchError) as info:
+        step_rendezvous_address(
+            task, None, _task_env(2, Path("/nonexistent-run-dir")), timedelta(seconds=0.3)
+        )
+    message = str(info.value)
+    assert "rank 2: rank 0 did not publish" in message and ADDR_ENV in message
+    assert "shared by all nodes" in message
+
+
+def test_rank_zeros_failure_reaches_the_others_at_once(tmp_path: Path) -> None:
+    client = FakeClient({"gpu-07": ""})  # Slurm reports no NodeAddr
+    zero = task_from_env(_task_env(0, tmp_path))
+    with pytest.raises(LaunchError, match="no NodeAddr"):
+        step_rendezvous_address(zero, client, _task_env(0, tmp_path))  # type: ignore[arg-type]
+    one = task_from_env(_task_env(1, tmp_path))
+    with pytest.raises(
+        LaunchError, match=r"rank 0 could not find the rendezvous address.*NodeAddr"
+    ):
+        # a zero wait still reads the record once: rank 0's cause, not a timeout
+        step_rendezvous_address(one, None, _task_env(1, tmp_path), timedelta(0))
+
+
+def test_a_preset_address_asks_nobody_and_no_run_dir_asks_every_task(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    def factory() -> Any:
+        raise AssertionError("asked Slurm although the address was preset")
+
+    env = _task_env(1, tmp_path, **{ADDR_ENV: "10.9.9.9"})
+    assert step_rendezvous_address(task_from_env(env), factory, env) == "10.9.9.9"
+    assert not (tmp_path / ".rendezvous").exists()
+    client = FakeClient({"gpu-07": "10.1.2.7"})
+    env = _task_env(1, None)
+    with caplog.at_level("WARNING", logger="slurm_guard"):
+        assert step_rendezvous_address(task_from_env(env), client, env) == "10.1.2.7"  # type: ignore[arg-type]
+    assert client.asked == ["gpu-07"] and RUN_DIR_ENV in caplog.text
+
+
+def test_a_record_for_another_first_node_is_refused(tmp_path: Path) -> None:
+    zero = task_from_env(_task_env(0, tmp_path))
+    step_rendezvous_address(zero, FakeClient({"gpu-07": "10.1.2.7"}), _task_env(0, tmp_path))  # type: ignore[arg-type]
+    other = task_from_env(_task_env(1, tmp_path, SLURM_STEP_NODELIST="gpu-[01-03]"))
+    with pytest.raises(LaunchError, match="names node 'gpu-07'"):
+        step_rendezvous_address(other, None, _task_env(1, tmp_path), timedelta(seconds=1))

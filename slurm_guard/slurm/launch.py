@@ -11,7 +11,10 @@ Two halves that meet inside the job:
   Slurm says: rank and world size from `SLURM_PROCID`/`SLURM_NTASKS`, the rendezvous host from
   the first node's `NodeAddr` (node names need not resolve as host names; on many clusters and
   on the local test cluster they do not), a port derived from the job id, NCCL on GPUs, gloo on
-  CPUs.
+  CPUs. Only rank 0 asks Slurm for that `NodeAddr` (one `scontrol show node` per job step, not
+  one per task: thousands of tasks querying slurmctld at once load it for every job on the
+  cluster) and hands it to the others through a file in the run directory; node lists are
+  expanded without Slurm (`parsers.expand_hostlist`).
 
 The pure parts (environment -> task, job id -> port, run dir checks) are separate functions so
 that they are tested without Slurm.
@@ -19,16 +22,18 @@ that they are tested without Slurm.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import re
 import shlex
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from slurm_guard.errors import GuardError
 from slurm_guard.protocol import COMMENT_KEY, DEFAULT_STATE_DIR
@@ -43,6 +48,12 @@ RUN_DIR_ENV = "SLURM_GUARD_RUN_DIR"
 """Exported into every task by `launch()` and the sbatch template: the run directory."""
 PORT_ENV = "SLURM_GUARD_MASTER_PORT"
 """Overrides the derived rendezvous port (a site with a firewall-approved range sets it)."""
+ADDR_ENV = "SLURM_GUARD_MASTER_ADDR"
+"""The rendezvous address, when something outside the tasks already knows it (the batch script,
+a site's prolog): then no task asks Slurm. It must be the step's first node's address."""
+RENDEZVOUS_DIR = ".rendezvous"
+"""Under the run directory: rank 0's `<job>.<step>.<restart>.json` with the first node's
+address, read by the other ranks (a requeued run or a later step writes a file of its own)."""
 PORT_BASE = 15000
 PORT_SPAN = 5000
 """Derived ports lie in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's ephemeral range
@@ -151,14 +162,133 @@ def rendezvous_address(node: str, client: SlurmClient) -> str:
     address = client.node(node).address
     if not address or address in ("(null)", "N/A"):
         raise LaunchError(
-            f"Slurm reports no NodeAddr for {node}; set {PORT_ENV} and MASTER_ADDR yourself "
-            "or fix the node's NodeAddr in slurm.conf"
+            f"Slurm reports no NodeAddr for {node}; export {ADDR_ENV} (and {PORT_ENV} if "
+            "needed) before srun, or fix the node's NodeAddr in slurm.conf"
         )
     return address
 
 
+def rendezvous_file(run_dir: str | os.PathLike[str], task: SlurmTask, step_id: str = "") -> Path:
+    """Where rank 0 publishes the address for this run of this step of the job."""
+    step = re.sub(r"[^0-9A-Za-z_-]", "_", step_id) or "nostep"
+    job = re.sub(r"[^0-9A-Za-z_-]", "_", task.job_id)
+    return Path(run_dir) / RENDEZVOUS_DIR / f"{job}.{step}.{task.restart_count}.json"
+
+
+def _publish(path: Path, task: SlurmTask, address: str | None, error: str | None) -> None:
+    from slurm_guard.records import atomic_write_json
+
+    record = {"job": task.job_id, "node": task.first_node, "address": address, "error": error}
+    atomic_write_json(path, record)  # readers see the whole record or none
+
+
+def _read_published(path: Path, task: SlurmTask) -> str | None:
+    """The published address; None while there is none yet. Raises rank 0's error."""
+    import json
+
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise LaunchError(f"cannot read the rendezvous record {path}: {exc}") from exc
+    if not isinstance(record, dict) or record.get("node") != task.first_node:
+        raise LaunchError(
+            f"the rendezvous record {path} names node {record.get('node')!r} where this step's "
+            f"first node is {task.first_node!r}; remove {path.parent} and rerun"
+            if isinstance(record, dict)
+            else f"the rendezvous record {path} is not a JSON object; remove it and rerun"
+        )
+    if record.get("error"):
+        raise LaunchError(f"rank 0 could not find the rendezvous address: {record['error']}")
+    address = record.get("address")
+    if not isinstance(address, str) or not address:
+        raise LaunchError(f"the rendezvous record {path} has no address; remove it and rerun")
+    return address
+
+
+def wait_for_address(
+    path: Path, task: SlurmTask, timeout: datetime.timedelta, poll_s: float = 0.05
+) -> str:
+    """Rank > 0: wait (up to `timeout`, never longer) for rank 0's record at `path`."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        address = _read_published(path, task)
+        if address is not None:
+            return address
+        if time.monotonic() >= deadline:
+            raise LaunchError(
+                f"rank {task.rank}: rank 0 did not publish the rendezvous address in {path} "
+                f"within {timeout.total_seconds():g} s. Look at rank 0's output (did it start? "
+                f"can it reach slurmctld and write the run directory, which must be on storage "
+                f"shared by all nodes?), or export {ADDR_ENV} before srun"
+            )
+        time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
+        poll_s = min(2 * poll_s, 1.0)
+
+
+def step_rendezvous_address(
+    task: SlurmTask,
+    client: SlurmClient | Callable[[], SlurmClient] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: datetime.timedelta = DEFAULT_INIT_TIMEOUT,
+) -> str:
+    """The first node's address, asking Slurm at most once per job step (from rank 0).
+
+    In order: `SLURM_GUARD_MASTER_ADDR` if set (nobody asks Slurm); else, with a run directory
+    (`SLURM_GUARD_RUN_DIR`, set by `launch()` and the sbatch template), rank 0 asks Slurm and
+    writes the answer (or its error) atomically to `rendezvous_file`, and the other ranks wait
+    for it up to `timeout`; without a run directory every task asks Slurm itself (logged as a
+    warning: that is the per-task load this avoids). `client` may be a factory, called by the
+    tasks that ask only (building a client may itself run a Slurm command).
+    """
+    e = os.environ if env is None else env
+    preset = e.get(ADDR_ENV)
+    if preset:
+        return preset
+    run_dir = e.get(RUN_DIR_ENV)
+
+    def ask() -> str:
+        if client is None:
+            from slurm_guard.slurm.client import default_client
+
+            made = default_client()
+        elif hasattr(client, "node"):  # a client, not a factory
+            made = cast("SlurmClient", client)
+        else:
+            made = client()
+        return rendezvous_address(task.first_node, made)
+
+    if not run_dir:
+        logger.warning(
+            "%s is not set: every task asks Slurm for the rendezvous address; set it (or %s) "
+            "so that only rank 0 does",
+            RUN_DIR_ENV,
+            ADDR_ENV,
+        )
+        return ask()
+    path = rendezvous_file(run_dir, task, e.get("SLURM_STEP_ID", ""))
+    if task.rank != 0:
+        return wait_for_address(path, task, timeout)
+    try:
+        address = ask()
+    except Exception as exc:
+        # the other ranks fail with this cause at once instead of waiting out the timeout
+        with contextlib.suppress(OSError):
+            _publish(path, task, None, f"{type(exc).__name__}: {exc}")
+        raise
+    try:
+        _publish(path, task, address, None)
+    except OSError as exc:
+        raise LaunchError(
+            f"cannot write the rendezvous record {path} ({exc}): the run directory must be "
+            f"writable and shared by all nodes; or export {ADDR_ENV} before srun"
+        ) from exc
+    return address
+
+
 def init_distributed_from_slurm(
-    client: SlurmClient | None = None,
+    client: SlurmClient | Callable[[], SlurmClient] | None = None,
     env: Mapping[str, str] | None = None,
     timeout: datetime.timedelta = DEFAULT_INIT_TIMEOUT,
 ) -> SlurmTask:
@@ -166,7 +296,9 @@ def init_distributed_from_slurm(
 
     Backend `nccl` (and this task's GPU, by local rank) when CUDA is available, else `gloo`.
     Also exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for code that reads
-    them. Raises LaunchError with the fix when Slurm's environment is incomplete.
+    them. The address comes from `step_rendezvous_address` (Slurm asked by rank 0 only);
+    `timeout` bounds both the wait for it and the process-group set-up. Raises LaunchError with
+    the fix when Slurm's environment is incomplete or rank 0 never published the address.
     """
     import torch
     import torch.distributed as dist
@@ -174,13 +306,9 @@ def init_distributed_from_slurm(
     task = task_from_env(env)
     if dist.is_initialized():
         return task
-    if client is None:
-        from slurm_guard.slurm.client import default_client
-
-        client = default_client()
     e = os.environ if env is None else env
     port = int(e.get(PORT_ENV) or port_for_job(task.job_id, task.restart_count))
-    address = rendezvous_address(task.first_node, client)
+    address = step_rendezvous_address(task, client, e, timeout)
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(task.local_rank % torch.cuda.device_count())
@@ -445,6 +573,9 @@ __all__ = [
     "recovery_lines",
     "render_sbatch",
     "rendezvous_address",
+    "rendezvous_file",
+    "step_rendezvous_address",
     "task_from_env",
     "template_path",
+    "wait_for_address",
 ]
