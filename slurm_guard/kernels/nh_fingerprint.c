@@ -3,21 +3,26 @@
  * specification `reference_fingerprint` and to the Triton kernel (tested).
  * Built by slurm_guard/kernels/native.py; CI compiles it with -Wall -Wextra -Werror.
  *
- * What limits it (AVX2; measured on a 2-core AMD EPYC, Zen 3, 3.1 GHz, no AVX-512):
- * per 64 bytes and both lanes the loop needs 16 vector ALU ops (4 add32 for the keys,
- * 4 srli64, 4 mul_epu32, 4 add64) and 6 loads (2 data, 4 keys). Zen 3 has four 256-bit
- * integer pipes (multiplies on two of them, shifts and shuffles on the other two, adds on
- * all four) and two 256-bit load ports, so the ALU pipes bound it at 4 cycles per 64 bytes
- * (16 B/cycle); the loop reaches 4.7 cycles on L1-resident data, 5.1 cycles per 64 bytes
- * over a 4 MB tensor (about 39 GB/s), where the sum of the same tensor (one load and one add
- * per 32 bytes) streams from L3 at ~58 GB/s. So 1e6 float32 elements (4 MB) reach
- * 0.66-0.73x of torch's float32 sum() and tensors in DRAM (1e7, 1e8 elements) 0.85-1.0x
- * (benchmarks/fingerprint_throughput.py). 8 vector ops per 32 bytes is the minimum for
- * two NH lanes with 32x32-bit multiplies: each lane needs its own key add and product
- * sum, and mul_epu32 reads only even dword slots, so the odd words of every keyed vector
- * must be moved (a shift or shuffle: the same pipes) or loaded again with their keys
- * (12 loads per 64 bytes: slower). Going faster on cache-resident data needs less work per
- * byte, i.e. a different construction (see fingerprint_fast.py), not better scheduling. */
+ * What limits it (AVX2; measured on a 2-core AMD EPYC VM, Zen 3, 3.1 GHz, no AVX-512): per
+ * 64 bytes and both lanes the loop needs 16 vector ALU ops (4 add32 for the keys, 4 srli64,
+ * 4 mul_epu32, 4 add64) and 6 loads (2 data, 4 keys). Zen 3 has four 256-bit integer pipes
+ * (multiplies on two of them, shifts and shuffles on the other two, adds on all four; measured
+ * with isolated instruction mixes) and two 256-bit load ports, so the ALU pipes bound it at
+ * 4 cycles per 64 bytes (16 B/cycle, ~50 GB/s); the loads alone would allow 3 cycles. The loop
+ * runs 4.7 cycles per 64 bytes on L1-resident data and 5.0 over a 4 MB tensor (~40 GB/s;
+ * before this version 6.5, ~31 GB/s), while a float32 sum of the same 4 MB needs one load and
+ * one add per 32 bytes and streams from L3 at 50-58 GB/s (torch) or ~70 GB/s (hand-written
+ * AVX2). So 1e6 float32 elements (4 MB) reach ~0.7x of torch's sum() and cannot reach 0.8x
+ * reliably, while tensors in DRAM (1e7, 1e8 elements) are memory-bound at 0.8-1.0x
+ * (benchmarks/fingerprint_throughput.py; the machine is shared, so figures vary by +-15%).
+ * 8 vector ops per 32 bytes is the minimum for two NH lanes with 32x32-bit multiplies: each
+ * lane needs its own key add and product sum, and mul_epu32 reads only even dword slots, so
+ * the 8 odd-slot words of a lane's two keyed vectors (per 64 bytes) must be moved into even
+ * slots (a shift or shuffle: the same pipes; pairing words 8 apart instead of adjacent still
+ * leaves 8 of them) or loaded again with their keys (12 loads per 64 bytes: slower). Going
+ * faster on cache-resident data needs less work per byte, i.e. a different construction (one
+ * NH lane measured ~1.35x faster at 4 MB, but its bound is 2^-32, not 2^-64), not scheduling.
+ * (The AVX-512 path below compiles with -mavx512f -Werror but has not run here: no AVX-512.) */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
