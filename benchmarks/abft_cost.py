@@ -16,6 +16,8 @@ on TinyGPT.
 
     python benchmarks/abft_cost.py            # 12 rounds
     python benchmarks/abft_cost.py --quick    # 4 rounds
+    python benchmarks/abft_cost.py --block 64 # checksum blocks of 64 rows
+    SLURM_GUARD_NATIVE=0 python benchmarks/abft_cost.py   # the torch-op checks
 """
 
 from __future__ import annotations
@@ -31,11 +33,18 @@ from _common import median, table, write_json
 from torch import nn
 
 from slurm_guard.abft import Abft, attach, measure_coverage
+from slurm_guard.abft.wrap import DEFAULT_BLOCK
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
+from slurm_guard.kernels import abft_native
 
 MODEL = TinyGPTConfig(vocab=64, context=64, width=256, heads=4, layers=4, dropout=0.1)
 BATCH = 8
 VARIANTS = ("plain", "wrapped", "abft")
+
+
+def backend() -> str:
+    """Which implementation checks the float32 CPU GEMMs here: the C passes or torch ops."""
+    return "native (C)" if abft_native.native() is not None else "torch"
 
 
 def _mlp() -> nn.Module:
@@ -46,7 +55,7 @@ def _mlp() -> nn.Module:
 
 
 def _runners(
-    name: str,
+    name: str, block: int | None = None
 ) -> tuple[dict[str, Callable[[int], None]], Callable[[nn.Module], torch.Tensor], nn.Module]:
     make: Callable[[], nn.Module] = (lambda: TinyGPT(MODEL)) if name == "TinyGPT" else _mlp
     torch.manual_seed(0)
@@ -56,7 +65,7 @@ def _runners(
     handles: dict[str, Abft | None] = {
         "plain": None,
         "wrapped": attach(models["wrapped"], checking=False),
-        "abft": attach(models["abft"]),
+        "abft": attach(models["abft"], block=block),
     }
     mlp_input = torch.randn(64, 1024, generator=torch.Generator().manual_seed(1))
 
@@ -94,13 +103,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="4 rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
+    parser.add_argument("--block", type=int, default=None, help="checksum block rows (default 32)")
     args = parser.parse_args()
     rounds = args.rounds or (4 if args.quick else 12)
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     rows = []
     for name in ("TinyGPT", "MLP"):
-        runners, loss_of, checked = _runners(name)
+        runners, loss_of, checked = _runners(name, args.block)
         cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
         wall: dict[str, list[float]] = {v: [] for v in VARIANTS}
         for v in VARIANTS:  # warm-up
@@ -130,7 +140,8 @@ def main() -> None:
         results[name] = entry
     print(
         f"one process, 1 thread, fp32 CPU, {rounds} rounds interleaved; TinyGPT {MODEL}, "
-        f"batch {BATCH}; MLP 6 x Linear(1024, 1024) + GELU, batch 64"
+        f"batch {BATCH}; MLP 6 x Linear(1024, 1024) + GELU, batch 64; checksum block "
+        f"{args.block or DEFAULT_BLOCK} rows; checks by the {backend()} path"
     )
     print(
         table(
@@ -147,7 +158,8 @@ def main() -> None:
             f"({100 * cov['checked_fraction_without_attention']:.1f}% without attention "
             "score/value products)"
         )
-    path = write_json("abft_cost", {"rounds": rounds, "results": results}, args.json)
+    meta = {"rounds": rounds, "block": args.block or DEFAULT_BLOCK, "path": backend()}
+    path = write_json("abft_cost", {**meta, "results": results}, args.json)
     print(f"wrote {path}", file=sys.stderr)
 
 

@@ -259,69 +259,83 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _native_forward(
-    kernel: nk._Native,
-    site: Site,
-    x2: torch.Tensor,
-    m: torch.Tensor,
-    bias: torch.Tensor | None,
-    y: torch.Tensor,
-) -> tuple[float, nk.Stats]:
-    """The forward check by the C passes: one read of x (its block sums and norms, and its
-    column-block sums for Conv1D's weight-gradient check), the checksum GEMM in torch, one read
-    of y. x's statistics are kept for the weight-gradient check."""
-    block = site.block
-    n, k = x2.shape
-    st = nk.stats(kernel, _contiguous(x2), block, rows=True, cols=site.kind == "addmm")
-    col_sq, _ = site.weight_norms(m, kernel)
-    pred = torch.mm(st.rows, m)  # type: ignore[arg-type]
-    f = site.factors(k, min(n, block), y)
-    b = None if bias is None else _contiguous(bias)
-    ratio = nk.compare(kernel, _contiguous(y), block, pred, b, st.a_sq, st.s_sq, col_sq, f.native)
-    return ratio, st
+class _NativeCheck:
+    """One layer's checks by the C passes, in cache order: each operand is read right before
+    the GEMM that reads it too, each product right after the GEMM that wrote it (a pass over a
+    cold multi-megabyte tensor costs several times one over a hot one).
 
+    Forward: one read of x (its block sums and norms, and its column-block sums for Conv1D's
+    weight-gradient check), the checksum GEMM in torch, one read of y. Backward: one read of g
+    (block sums, norms, and its column-block sums for nn.Linear's weight-gradient check), then
+    per product the checksum GEMM and one read of the product. x's statistics are kept from
+    the forward for the weight-gradient check."""
 
-def _native_backward(
-    site: Site,
-    kx: nk._Native | None,
-    kw: nk._Native | None,
-    g: torch.Tensor,
-    x2: torch.Tensor,
-    m: torch.Tensor,
-    grad_x: torch.Tensor | None,
-    stored: torch.Tensor | None,
-    x_stats: nk.Stats | None,
-) -> None:
-    """The grad_x check (when kx) and the weight-gradient check (when kw) by the C passes, from
-    one read of g (its block sums and norms, and its column-block sums for nn.Linear's
-    weight-gradient check)."""
-    kernel = kx or kw
-    assert kernel is not None
-    block = site.block
-    n = x2.shape[0]
-    linear = site.kind == "linear"
-    with_x, with_w = kx is not None and grad_x is not None, kw is not None and stored is not None
-    st = nk.stats(kernel, _contiguous(g), block, rows=with_x, cols=with_w and linear)
-    if with_x:
-        assert grad_x is not None and st.rows is not None
+    @staticmethod
+    def before_forward(
+        kernel: nk._Native, site: Site, x2: torch.Tensor, m: torch.Tensor
+    ) -> nk.Stats:
+        st = nk.stats(kernel, _contiguous(x2), site.block, rows=True, cols=site.kind == "addmm")
+        site.weight_norms(m, kernel)
+        return st
+
+    @staticmethod
+    def forward(
+        kernel: nk._Native,
+        site: Site,
+        st: nk.Stats,
+        m: torch.Tensor,
+        bias: torch.Tensor | None,
+        y: torch.Tensor,
+    ) -> float:
+        block = site.block
+        col_sq, _ = site.weight_norms(m, kernel)
+        assert st.rows is not None
+        pred = torch.mm(st.rows, m)
+        f = site.factors(m.shape[0], min(y.shape[0], block), y)
+        b = None if bias is None else _contiguous(bias)
+        return nk.compare(
+            kernel, _contiguous(y), block, pred, b, st.a_sq, st.s_sq, col_sq, f.native
+        )
+
+    @staticmethod
+    def grad_x(
+        kernel: nk._Native, site: Site, st: nk.Stats, m: torch.Tensor, grad_x: torch.Tensor
+    ) -> float:
+        block = site.block
         _, row_sq = site.weight_norms(m, kernel)
+        assert st.rows is not None
         pred = torch.mm(st.rows, m.t())
-        f = site.factors(g.shape[1], min(n, block), g)
-        ratio = nk.compare(kernel, grad_x, block, pred, None, st.a_sq, st.s_sq, row_sq, f.native)
-        site.results.append((GRAD_X, ratio))
-    if with_w:
-        assert stored is not None
+        f = site.factors(m.shape[1], min(grad_x.shape[0], block), grad_x)
+        return nk.compare(
+            kernel, _contiguous(grad_x), block, pred, None, st.a_sq, st.s_sq, row_sq, f.native
+        )
+
+    @staticmethod
+    def grad_w(
+        kernel: nk._Native,
+        site: Site,
+        g_stats: nk.Stats,
+        x_stats: nk.Stats | None,
+        g: torch.Tensor,
+        x2: torch.Tensor,
+        stored: torch.Tensor,
+    ) -> float:
+        """grad = P^T Q in the stored layout: the column blocks of P are the checksum rows
+        (P = g, Q = x for nn.Linear; P = x, Q = g for Conv1D)."""
+        linear = site.kind == "linear"
         if x_stats is None or (not linear and x_stats.cols is None):
-            x_stats = nk.stats(kernel, _contiguous(x2), block, rows=False, cols=not linear)
-        # grad = P^T Q in the stored layout: the column blocks of P are the checksum rows
-        p_stats, q, q_col_sq = (st, x2, x_stats.col_sq()) if linear else (x_stats, g, st.col_sq())
+            x_stats = nk.stats(kernel, _contiguous(x2), site.block, rows=False, cols=not linear)
+        if linear:
+            p_stats, q, q_col_sq = g_stats, x2, x_stats.col_sq()
+        else:
+            p_stats, q, q_col_sq = x_stats, g, g_stats.col_sq()
         assert p_stats.cols is not None
         pred = torch.mm(p_stats.cols.t(), q)
-        f = site.factors(n, min(stored.shape[0], block), g)
-        ratio = nk.compare(
+        f = site.factors(x2.shape[0], min(stored.shape[0], site.block), stored)
+        return nk.compare(
             kernel,
             _contiguous(stored),
-            block,
+            site.block,
             pred,
             None,
             p_stats.ca_sq,
@@ -329,7 +343,6 @@ def _native_backward(
             q_col_sq,
             f.native,
         )
-        site.results.append((GRAD_W, ratio))
 
 
 class CheckedGemm(torch.autograd.Function):
@@ -341,6 +354,12 @@ class CheckedGemm(torch.autograd.Function):
     ) -> torch.Tensor:
         k = x.shape[-1]
         x2 = x.reshape(-1, k)
+        active = site.active()
+        kernel = site.kernel(FWD, x2, m, bias) if active else None
+        x_stats = None
+        if kernel is not None:
+            with _no_autocast(x.device):
+                x_stats = _NativeCheck.before_forward(kernel, site, x2, m)
         if site.kind == "linear":
             out = F.linear(x, m.t(), bias)  # exactly what an unchecked nn.Linear computes
         elif bias is not None:
@@ -352,36 +371,35 @@ class CheckedGemm(torch.autograd.Function):
             site.inject(FWD, y)
         ctx.site = site
         ctx.in_shape = x.shape
-        ctx.x_sq = ctx.x_stats = None
+        ctx.x_sq = None
+        ctx.x_stats = x_stats
         if site.flops is not None:
             site.count(x2.shape[0], k, m.shape[1])
-        if site.active():
-            kernel = site.kernel(FWD, x2, m, bias)
-            if kernel is not None:
-                with _no_autocast(y.device):
-                    ratio, ctx.x_stats = _native_forward(kernel, site, x2, m, bias, y)
-                site.results.append((FWD, ratio))
-            else:
-                with torch.no_grad(), _no_autocast(y.device):
-                    x_sums = _row_sums(x2, site.block)
-                    x_sq = _row_sums(_squares(x2), site.block)  # (B, k)
-                    rows = _rows(x2.shape[0], site.block, x_sums)
-                    col_sq, _ = site.weight_norms(m)
-                    ratio_t = _check(
-                        site,
-                        k,
-                        _row_sums(y, site.block),
-                        x_sums,
-                        x_sq.sum(1),
-                        rows,
-                        m,
-                        col_sq,
-                        bias,
-                        y,
-                        FWD,
-                    )
-                site.results.append((FWD, ratio_t))
-                ctx.x_sq = x_sq  # its column sums bound the weight gradient's check
+        if kernel is not None:
+            assert x_stats is not None
+            with _no_autocast(y.device):
+                site.results.append((FWD, _NativeCheck.forward(kernel, site, x_stats, m, bias, y)))
+        elif active:
+            with torch.no_grad(), _no_autocast(y.device):
+                x_sums = _row_sums(x2, site.block)
+                x_sq = _row_sums(_squares(x2), site.block)  # (B, k)
+                rows = _rows(x2.shape[0], site.block, x_sums)
+                col_sq, _ = site.weight_norms(m)
+                ratio = _check(
+                    site,
+                    k,
+                    _row_sums(y, site.block),
+                    x_sums,
+                    x_sq.sum(1),
+                    rows,
+                    m,
+                    col_sq,
+                    bias,
+                    y,
+                    FWD,
+                )
+            site.results.append((FWD, ratio))
+            ctx.x_sq = x_sq  # its column sums bound the weight gradient's check
         ctx.save_for_backward(x2, m)
         return out
 
@@ -397,12 +415,30 @@ class CheckedGemm(torch.autograd.Function):
         n, k = x2.shape
         linear = site.kind == "linear"
         counting = site.flops is not None
+        active = site.active() and (need_x or need_m)
+        kx = site.kernel(GRAD_X, g, m) if active and need_x else None
+        kw = site.kernel(GRAD_W, g, x2) if active and need_m else None
+        g_stats = None
+        if kx is not None or kw is not None:
+            with torch.no_grad(), _no_autocast(g.device):
+                g_stats = nk.stats(
+                    kx or kw,  # type: ignore[arg-type]
+                    _contiguous(g),
+                    site.block,
+                    rows=kx is not None,
+                    cols=kw is not None and linear,
+                )
         if need_x:
             grad_x = g @ m.t()
             if site.injectors:
                 site.inject(GRAD_X, grad_x)
             if counting:
                 site.count(n, m.shape[1], k)
+            if kx is not None:
+                assert g_stats is not None
+                with torch.no_grad(), _no_autocast(g.device):
+                    ratio = _NativeCheck.grad_x(kx, site, g_stats, m, grad_x)
+                site.results.append((GRAD_X, ratio))
         stored = None  # the weight gradient in the weight's layout
         if need_m:
             stored = g.t() @ x2 if linear else x2.t() @ g
@@ -411,14 +447,14 @@ class CheckedGemm(torch.autograd.Function):
             grad_m = stored.t() if linear else stored
             if counting:
                 site.count(n, k, m.shape[1])
+            if kw is not None:
+                assert g_stats is not None
+                with torch.no_grad(), _no_autocast(g.device):
+                    ratio = _NativeCheck.grad_w(kw, site, g_stats, ctx.x_stats, g, x2, stored)
+                site.results.append((GRAD_W, ratio))
         if need_b:
             grad_b = g.sum(0)
-        if site.active() and (need_x or need_m):
-            kx = site.kernel(GRAD_X, g, m) if grad_x is not None else None
-            kw = site.kernel(GRAD_W, g, x2) if stored is not None else None
-            if kx is not None or kw is not None:
-                with torch.no_grad(), _no_autocast(g.device):
-                    _native_backward(site, kx, kw, g, x2, m, grad_x, stored, ctx.x_stats)
+        if active and (kx is None or kw is None):
             _torch_backward(
                 ctx,
                 site,

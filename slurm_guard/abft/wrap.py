@@ -139,7 +139,10 @@ class Abft:
         segment = torch.repeat_interleave(
             torch.tensor(index, device=device), torch.tensor(sizes, device=device)
         )
-        worst = torch.tensor(host, device=device)
+        if any(v != -1.0 for v in host):  # both paths ran (CPU only: the C path is CPU-only)
+            worst = torch.tensor(host, device=device)
+        else:  # a fill on the device: no host-to-device copy, which could wait for the GPU
+            worst = torch.full((len(host),), -1.0, device=device)
         worst.scatter_reduce_(
             0, segment, flat.nan_to_num(nan=math.inf, posinf=math.inf), reduce="amax"
         )
