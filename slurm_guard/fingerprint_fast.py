@@ -56,6 +56,9 @@ BLOCK_BYTES = 4 * NH_WORDS
 BLOCKS_PER_ROW = ROW // (4 * LANES)  # each block yields LANES x 4 sixteen-bit words: 128 blocks
 ROW_BYTES = BLOCKS_PER_ROW * BLOCK_BYTES  # 512 KiB of input per level-0 tree row
 _PARALLEL_MIN_BYTES = 8 << 20  # below this, one thread (pool dispatch costs ~0.1 ms)
+# From this size on the kernel assumes the tensor streams from DRAM and uses the loop form that
+# is faster there (half of a 32 MB L3; see kernels/nh_fingerprint.c). Same output either way.
+STREAM_MIN_BYTES = 16 << 20
 C_SOURCE = "nh_fingerprint.c"  # in slurm_guard/kernels/, shipped as package data
 _NH_SEED_TAG = b"slurm-guard NH keys v1"
 
@@ -68,6 +71,7 @@ def kernel_defines() -> dict[str, int]:
         "LANES": LANES,
         "PRIME": PRIME,
         "MAX_LEVELS": MAX_LEVELS,
+        "STREAM_MIN_BYTES": STREAM_MIN_BYTES,
     }
 
 

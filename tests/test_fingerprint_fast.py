@@ -83,6 +83,17 @@ def test_native_matches_torch_at_unaligned_addresses(
 
 
 @native_only
+def test_native_matches_torch_on_tensors_streamed_from_memory(fp: ff.FastFingerprinter) -> None:
+    # Just over STREAM_MIN_BYTES, the kernel's DRAM form of the loop; odd start, partial block.
+    nbytes = ff.STREAM_MIN_BYTES + 4097
+    base = torch.randint(
+        0, 256, (nbytes + 1,), dtype=torch.uint8, generator=torch.Generator().manual_seed(11)
+    )
+    t = base[1:]
+    assert _native(fp)(t) == _torch(fp)(t)
+
+
+@native_only
 def test_native_reads_parameters_that_require_grad(fp: ff.FastFingerprinter) -> None:
     w = torch.nn.Parameter(torch.randn(64, 33, generator=torch.Generator().manual_seed(3)))
     for view in (w, w.t()):  # contiguous: read in place; transposed: copied first
