@@ -1,8 +1,8 @@
 """A fast exact fingerprint: one pass over the tensor's bytes, near memory bandwidth on CPU.
 
-Tensors in DRAM hash at 0.8-1.0x of a float32 `sum()` over the same bytes; cache-resident ones
-(~4 MB) at ~0.7x, bound by the vector ALU work two NH lanes need (16 ops per 64 bytes with AVX2;
-the analysis and figures are in the header of kernels/nh_fingerprint.c).
+Tensors in DRAM hash at 0.7-1.0x of a float32 `sum()` over the same bytes; cache-resident ones
+(~4 MB) at most ~0.7x, bound by the vector ALU work two NH lanes need (16 ops per 64 bytes with
+AVX2; the analysis and figures are in the header of kernels/nh_fingerprint.c).
 
 `fingerprint.Fingerprinter` hashes 16-bit words widened to int64 in separate torch ops; it reads
 and writes several times the tensor's size and reaches about 0.3 GB/s. This module keeps its
