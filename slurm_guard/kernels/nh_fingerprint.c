@@ -13,8 +13,9 @@
  * before this version 6.5, ~31 GB/s), while a float32 sum of the same 4 MB needs one load and
  * one add per 32 bytes and streams from L3 at 50-58 GB/s (torch) or ~70 GB/s (hand-written
  * AVX2). So 1e6 float32 elements (4 MB) can reach at most ~0.7x of torch's sum() here
- * (40/58; measured 0.51-0.73x over seven benchmark runs on the shared, loaded machine, the old
- * kernel 0.30-0.60x), while tensors in DRAM (1e7, 1e8 elements) are memory-bound at 0.7-1.0x
+ * (40/58; measured 0.51-0.73x over seven benchmark runs on the shared, loaded machine; in
+ * interleaved runs beside the old kernel 0.37-0.73x against its 0.34-0.67x, always ahead),
+ * while tensors in DRAM (1e7, 1e8 elements) are memory-bound at 0.7-1.0x
  * (benchmarks/fingerprint_throughput.py; the spread is other jobs' memory traffic).
  * 8 vector ops per 32 bytes is the minimum for two NH lanes with 32x32-bit multiplies: each
  * lane needs its own key add and product sum, and mul_epu32 reads only even dword slots, so
