@@ -222,3 +222,23 @@ def test_slurm_guard_native_0_selects_the_torch_path() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
     )
     assert proc.returncode == 0, proc.stderr
+
+
+@needs_native
+@pytest.mark.parametrize("which", range(3))
+def test_a_probe_armed_by_the_fault_itself_gets_its_bound(which: int) -> None:
+    """benchmarks/campaign.py arms `Site.probe` from inside the fault's injector, after the C
+    path was chosen for the pass: that pass must still report its per-element bound."""
+    torch.manual_seed(3)
+    layer = nn.Linear(24, 40)
+    handle = attach(layer)
+    site = handle.sites[0]
+
+    def fault(t: torch.Tensor) -> None:
+        t.view(-1)[5] += 1e3
+        site.probe = {"which": which}
+
+    site.injectors = {which: [fault]}
+    layer(torch.randn(64, 24, requires_grad=True)).sum().backward()  # type: ignore[no-untyped-call]
+    assert site.probe is not None and "bound2" in site.probe
+    assert [f.gemm_pass for f in handle.findings(handle.collect())] == [PASSES[which]]

@@ -369,6 +369,8 @@ class CheckedGemm(torch.autograd.Function):
         y = out.reshape(-1, m.shape[1])
         if site.injectors:
             site.inject(FWD, y)
+            if kernel is not None and site.kernel(FWD, x2, m, bias) is None:
+                kernel = None  # the fault armed the bound probe: the torch path reports bound2
         ctx.site = site
         ctx.in_shape = x.shape
         ctx.x_sq = None
@@ -432,6 +434,8 @@ class CheckedGemm(torch.autograd.Function):
             grad_x = g @ m.t()
             if site.injectors:
                 site.inject(GRAD_X, grad_x)
+                if kx is not None and site.kernel(GRAD_X, g, m) is None:
+                    kx = None  # the probe was armed by the fault (see forward)
             if counting:
                 site.count(n, m.shape[1], k)
             if kx is not None:
@@ -444,6 +448,8 @@ class CheckedGemm(torch.autograd.Function):
             stored = g.t() @ x2 if linear else x2.t() @ g
             if site.injectors:
                 site.inject(GRAD_W, stored)
+                if kw is not None and site.kernel(GRAD_W, g, x2) is None:
+                    kw = None
             grad_m = stored.t() if linear else stored
             if counting:
                 site.count(n, k, m.shape[1])
