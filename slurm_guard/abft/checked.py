@@ -108,6 +108,8 @@ class Site:
         probe = self.probe
         if probe is not None and probe.get("which") == which and "bound2" not in probe:
             return None
+        if torch.is_autocast_enabled("cpu"):
+            return None  # (autocast casts the operands to a half type first anyway)
         for t in tensors:
             if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
                 return None
@@ -153,6 +155,8 @@ def _no_autocast(device: torch.device) -> Iterator[None]:
     else:
         yield
 
+
+_NO_CONTEXT = contextlib.nullcontext()
 
 Rows = float | torch.Tensor  # rows per checksum block: one number when all blocks are equal
 
@@ -357,9 +361,8 @@ class CheckedGemm(torch.autograd.Function):
         active = site.active()
         kernel = site.kernel(FWD, x2, m, bias) if active else None
         x_stats = None
-        if kernel is not None:
-            with _no_autocast(x.device):
-                x_stats = _NativeCheck.before_forward(kernel, site, x2, m)
+        if kernel is not None:  # (a Function's forward records no graph: no no_grad needed)
+            x_stats = _NativeCheck.before_forward(kernel, site, x2, m)
         if site.kind == "linear":
             out = F.linear(x, m.t(), bias)  # exactly what an unchecked nn.Linear computes
         elif bias is not None:
@@ -379,8 +382,7 @@ class CheckedGemm(torch.autograd.Function):
             site.count(x2.shape[0], k, m.shape[1])
         if kernel is not None:
             assert x_stats is not None
-            with _no_autocast(y.device):
-                site.results.append((FWD, _NativeCheck.forward(kernel, site, x_stats, m, bias, y)))
+            site.results.append((FWD, _NativeCheck.forward(kernel, site, x_stats, m, bias, y)))
         elif active:
             with torch.no_grad(), _no_autocast(y.device):
                 x_sums = _row_sums(x2, site.block)
@@ -421,8 +423,9 @@ class CheckedGemm(torch.autograd.Function):
         kx = site.kernel(GRAD_X, g, m) if active and need_x else None
         kw = site.kernel(GRAD_W, g, x2) if active and need_m else None
         g_stats = None
+        quiet = torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT  # create_graph
         if kx is not None or kw is not None:
-            with torch.no_grad(), _no_autocast(g.device):
+            with quiet:
                 g_stats = nk.stats(
                     kx or kw,  # type: ignore[arg-type]
                     _contiguous(g),
@@ -440,7 +443,7 @@ class CheckedGemm(torch.autograd.Function):
                 site.count(n, m.shape[1], k)
             if kx is not None:
                 assert g_stats is not None
-                with torch.no_grad(), _no_autocast(g.device):
+                with quiet:
                     ratio = _NativeCheck.grad_x(kx, site, g_stats, m, grad_x)
                 site.results.append((GRAD_X, ratio))
         stored = None  # the weight gradient in the weight's layout
@@ -455,7 +458,7 @@ class CheckedGemm(torch.autograd.Function):
                 site.count(n, k, m.shape[1])
             if kw is not None:
                 assert g_stats is not None
-                with torch.no_grad(), _no_autocast(g.device):
+                with quiet:
                     ratio = _NativeCheck.grad_w(kw, site, g_stats, ctx.x_stats, g, x2, stored)
                 site.results.append((GRAD_W, ratio))
         if need_b:
