@@ -91,12 +91,12 @@ def _with_legacy_hook(step: Callable[[Any], object]) -> Callable[[Any], object]:
     legacy = LegacyCheck()
 
     def run(batch: Any) -> object:
-        fused = hooks.bucket_check
-        hooks.bucket_check = legacy  # type: ignore[assignment]
+        fused = hooks.__dict__["bucket_check"]  # the name the hook calls at run time
+        hooks.__dict__["bucket_check"] = legacy
         try:
             return step(batch)
         finally:
-            hooks.bucket_check = fused
+            hooks.__dict__["bucket_check"] = fused
 
     return run
 
