@@ -259,6 +259,13 @@ def _check_weight_grad(
     return _check(site, p.shape[0], out_sums, a_sums, a_sq, rows, q, q_col_sq, None, grad, GRAD_W)
 
 
+def _x_blocked(k: int, p: int) -> bool:
+    """Whether the weight-gradient check's checksum rows run along x's width k (column blocks
+    of x) rather than g's width p: along the longer side, which gives the checksum GEMM more
+    rows (a much faster GEMM shape) for the same FLOPs. Both implementations follow it."""
+    return k > p
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -278,7 +285,8 @@ class _NativeCheck:
     def before_forward(
         kernel: nk._Native, site: Site, x2: torch.Tensor, m: torch.Tensor
     ) -> nk.Stats:
-        st = nk.stats(kernel, _contiguous(x2), site.block, rows=True, cols=site.kind == "addmm")
+        cols = _x_blocked(x2.shape[1], m.shape[1])
+        st = nk.stats(kernel, _contiguous(x2), site.block, rows=True, cols=cols)
         site.weight_norms(m, kernel)
         return st
 
@@ -324,29 +332,25 @@ class _NativeCheck:
         x2: torch.Tensor,
         stored: torch.Tensor,
     ) -> float:
-        """grad = P^T Q in the stored layout: the column blocks of P are the checksum rows
-        (P = g, Q = x for nn.Linear; P = x, Q = g for Conv1D)."""
-        linear = site.kind == "linear"
-        if x_stats is None or (not linear and x_stats.cols is None):
-            x_stats = nk.stats(kernel, _contiguous(x2), site.block, rows=False, cols=not linear)
-        if linear:
-            p_stats, q, q_col_sq = g_stats, x2, x_stats.col_sq()
-        else:
+        """grad = P^T Q: the column blocks of P are the checksum rows, P = x (rows of x^T g)
+        or P = g (rows of g^T x) as `_x_blocked` says; the stored layout holds that product
+        (g^T x for nn.Linear, x^T g for Conv1D) or its transpose."""
+        n, k = x2.shape
+        by_x = _x_blocked(k, g.shape[1])
+        if x_stats is None or (by_x and x_stats.cols is None):
+            x_stats = nk.stats(kernel, _contiguous(x2), site.block, rows=False, cols=by_x)
+        if by_x:
             p_stats, q, q_col_sq = x_stats, g, g_stats.col_sq()
+        else:
+            p_stats, q, q_col_sq = g_stats, x2, x_stats.col_sq()
         assert p_stats.cols is not None
         pred = torch.mm(p_stats.cols.t(), q)
-        f = site.factors(x2.shape[0], min(stored.shape[0], site.block), stored)
-        return nk.compare(
-            kernel,
-            _contiguous(stored),
-            site.block,
-            pred,
-            None,
-            p_stats.ca_sq,
-            p_stats.cs_sq,
-            q_col_sq,
-            f.native,
-        )
+        product_rows = k if by_x else g.shape[1]
+        f = site.factors(n, min(product_rows, site.block), stored)
+        args = (p_stats.ca_sq, p_stats.cs_sq, q_col_sq, f.native)
+        if by_x == (site.kind == "addmm"):  # stored is the product itself
+            return nk.compare(kernel, _contiguous(stored), site.block, pred, None, *args)
+        return nk.compare_transposed(kernel, _contiguous(stored), site.block, pred, *args)
 
 
 class CheckedGemm(torch.autograd.Function):
@@ -431,7 +435,7 @@ class CheckedGemm(torch.autograd.Function):
                     _contiguous(g),
                     site.block,
                     rows=kx is not None,
-                    cols=kw is not None and linear,
+                    cols=kw is not None and not _x_blocked(k, g.shape[1]),
                 )
         if need_x:
             grad_x = g @ m.t()
@@ -514,8 +518,10 @@ def _torch_backward(
         if stored is not None:
             x_sq = ctx.x_sq if ctx.x_sq is not None else _row_sums(_squares(x2), n)
             x_col_sq, g_col_sq = x_sq.sum(0), g_sq.sum(0)
-            if site.kind == "linear":
-                ratio = _check_weight_grad(site, g, g_col_sq, x2, x_col_sq, stored)
+            by_x = _x_blocked(x2.shape[1], g.shape[1])
+            product = stored if by_x == (site.kind == "addmm") else stored.t()
+            if by_x:
+                ratio = _check_weight_grad(site, x2, x_col_sq, g, g_col_sq, product)
             else:
-                ratio = _check_weight_grad(site, x2, x_col_sq, g, g_col_sq, stored)
+                ratio = _check_weight_grad(site, g, g_col_sq, x2, x_col_sq, product)
             site.results.append((GRAD_W, ratio))

@@ -234,3 +234,37 @@ double sg_abft_compare(const float *out, int64_t rows, int64_t p, int64_t block,
     }
     return bad ? INFINITY : best;
 }
+
+/* sg_abft_compare for a product held transposed: out (R, C), float32, contiguous, is the
+ * transpose of the checked product, whose row blocks are therefore column blocks of out:
+ *   residual[c, r] = pred[c, r] - sum_{j in column block c} out[r, j]
+ *   bound2[c, r]   = (k1(n_c) a_sq[c] + k3 s_sq[c]) m_sq[r] + floor
+ * (pred (ceil(C / block), R); no bias). The block sums are lane sums (see lane_sum). */
+double sg_abft_compare_t(const float *out, int64_t R, int64_t C, int64_t block, const float *pred,
+                         const double *a_sq, const double *s_sq, const double *m_sq,
+                         const double *f) {
+    const double per_element = f[0], check_gemm = f[1], uc2 = f[2], scale = f[3], floor2 = f[4];
+    const double k3 = 2.0 * check_gemm * scale;
+    double best = 0.0;
+    int bad = 0;
+    if (block < 1) return NAN;
+    int64_t nc = (C + block - 1) / block;
+    for (int64_t c = 0; c < nc; c++) {
+        int64_t c0 = c * block, w = c0 + block < C ? block : C - c0;
+        double nr = (double)w;
+        double k1 = (2.0 * per_element + (3.0 * nr + 8.0) * nr * uc2) * scale;
+        double v = k1 * a_sq[c] + k3 * s_sq[c];
+        const float *pc = pred + c * R;
+        for (int64_t r = 0; r < R; r++) {
+            double res = (double)pc[r] - (double)lane_sum(out + r * C + c0, w);
+            double q = res * res / (v * m_sq[r] + floor2);
+            if (!(q <= best)) {
+                if (q > best)
+                    best = q;
+                else
+                    bad = 1; /* NaN */
+            }
+        }
+    }
+    return bad ? INFINITY : best;
+}

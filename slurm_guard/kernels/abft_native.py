@@ -35,6 +35,9 @@ class _Native:
         self.compare = lib.sg_abft_compare
         self.compare.argtypes = [p, i64, i64, i64, p, p, p, p, p, p]
         self.compare.restype = ctypes.c_double
+        self.compare_t = lib.sg_abft_compare_t
+        self.compare_t.argtypes = [p, i64, i64, i64, p, p, p, p, p]
+        self.compare_t.restype = ctypes.c_double
 
 
 _lock = threading.Lock()
@@ -154,5 +157,25 @@ def compare(
             s_sq,
             m_sq.data_ptr(),
             factors,
+        )
+    )
+
+
+def compare_transposed(
+    kernel: _Native,
+    out_t: torch.Tensor,
+    block: int,
+    pred: torch.Tensor,
+    a_sq: int,
+    s_sq: int,
+    m_sq: torch.Tensor,
+    factors: ctypes.Array[ctypes.c_double],
+) -> float:
+    """`compare` for a product held transposed: `out_t` (R, C) contiguous is the checked
+    product's transpose, pred (ceil(C/block), R) its predicted row-block checksums (no bias)."""
+    r, c = out_t.shape
+    return float(
+        kernel.compare_t(
+            out_t.data_ptr(), r, c, block, pred.data_ptr(), a_sq, s_sq, m_sq.data_ptr(), factors
         )
     )
