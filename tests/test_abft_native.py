@@ -242,3 +242,17 @@ def test_a_probe_armed_by_the_fault_itself_gets_its_bound(which: int) -> None:
     layer(torch.randn(64, 24, requires_grad=True)).sum().backward()  # type: ignore[no-untyped-call]
     assert site.probe is not None and "bound2" in site.probe
     assert [f.gemm_pass for f in handle.findings(handle.collect())] == [PASSES[which]]
+
+
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
+def test_operands_near_the_float32_range_never_pass_a_fault_unseen(
+    monkeypatch: pytest.MonkeyPatch, use_native: bool
+) -> None:
+    """Inputs of ~1e19 (finite, so the guard's finite checks pass them) square to beyond
+    float32's range: a bound computed from those squares overflows, and dividing by it would
+    make every residual 0. The check must then fail closed (or, with norms kept in float64,
+    still see the fault), never report a faulty product as clean."""
+    model = _model("linear", 16, 24, False)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(3)) * 1e19
+    worst, _ = _ratios(model, x, monkeypatch, use_native, fault=(5, 1e17))
+    assert all(not ratio <= 1.0 for ratio in worst[0]), worst

@@ -18,6 +18,7 @@ over the middle of a contiguous view: strided reductions cost more than the GEMM
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -234,7 +235,9 @@ def _check(
     bound2 = residual_bound(q, rows, a_sq, s_sq, m_sq, bias_sq, r, site.margin, out_sq)
     if site.probe is not None and site.probe.get("which") == which and "bound2" not in site.probe:
         site.probe["bound2"] = bound2.detach().clone()
-    return predicted.sub_(out_sums).square_().div_(bound2)
+    ratio = predicted.sub_(out_sums).square_().div_(bound2)
+    # a bound that overflowed (operands near the dtype's range) verifies nothing: fail closed
+    return ratio.masked_fill_(torch.isinf(bound2), math.inf)
 
 
 def _check_weight_grad(

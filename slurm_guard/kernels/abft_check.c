@@ -182,7 +182,9 @@ int sg_abft_stats(const float *a, int64_t n, int64_t d, int64_t block, float *rs
  *   bound2[b, c]   = (k1(n_b) a_sq[b] + k3 s_sq[b]) m_sq[c] + k24(n_b) bias[c]^2 + floor
  * with k1, k3, k24 from the factors f = {per_element, check_gemm, uc2, scale, floor} exactly as
  * bounds.py forms them. bias may be NULL. Returns max residual^2 / bound2 over blocks and
- * columns, +inf if any is NaN (a non-finite product or operand must fail the check). */
+ * columns, +inf if any is NaN (a non-finite product or operand must fail the check) or any
+ * bound overflowed (operands near float32's range: a check that cannot bound the rounding
+ * cannot pass, it would otherwise divide every residual by inf and see nothing). */
 double sg_abft_compare(const float *out, int64_t rows, int64_t p, int64_t block,
                        const float *pred, const float *bias, const double *a_sq,
                        const double *s_sq, const double *m_sq, const double *f) {
@@ -222,7 +224,7 @@ double sg_abft_compare(const float *out, int64_t rows, int64_t p, int64_t block,
                     bound2 += k24 * beta * beta;
                 }
                 double r = predicted - (double)acc[j];
-                double q = r * r / bound2;
+                double q = bound2 < INFINITY ? r * r / bound2 : NAN; /* unbounded: fail */
                 if (!(q <= best)) {
                     if (q > best)
                         best = q;
@@ -257,7 +259,8 @@ double sg_abft_compare_t(const float *out, int64_t R, int64_t C, int64_t block, 
         const float *pc = pred + c * R;
         for (int64_t r = 0; r < R; r++) {
             double res = (double)pc[r] - (double)lane_sum(out + r * C + c0, w);
-            double q = res * res / (v * m_sq[r] + floor2);
+            double bound2 = v * m_sq[r] + floor2;
+            double q = bound2 < INFINITY ? res * res / bound2 : NAN; /* unbounded: fail */
             if (!(q <= best)) {
                 if (q > best)
                     best = q;
