@@ -240,7 +240,7 @@ def gemm_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from slurm_guard.abft.checked import PASSES
+    from slurm_guard.abft.checked import PASSES, _x_blocked
     from slurm_guard.abft.wrap import ATTR
     from slurm_guard.examples.tiny_gpt import TinyGPT, lm_loss, make_batch
 
@@ -272,8 +272,14 @@ def gemm_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
         except Exception as exc:  # one broken cell must not hide the others
             result["error"] = f"{type(exc).__name__}: {exc}"
         if fault.rank == rank and "delta" in record and site is not None:
-            cols = record["shape"][1]
+            rows_, cols = record["shape"]
             row, col = divmod(record["i"], cols)
+            if fault.gemm_pass == "grad_w":
+                # the check blocks the weight gradient along its longer side, so the checked
+                # product may be the transpose of the stored layout the fault was put into
+                k, p = (cols, rows_) if site.kind == "linear" else (rows_, cols)
+                if _x_blocked(k, p) != (site.kind == "addmm"):
+                    row, col = col, row
             bound2 = site.probe["bound2"] if site.probe else None
             if bound2 is not None:
                 block = min(row // site.block, bound2.shape[0] - 1)
