@@ -142,7 +142,7 @@ def _worker(rounds: int) -> dict[str, Any]:
     ops: dict[str, Callable[[], object]] = {
         "verdict gather": lambda: comm.all_gather_rows(row),
         "watchdog arrival": arrival,
-        "weight vote": lambda: verifier.vote(0, rank),
+        "weight vote": lambda: verifier.vote(0, torch.tensor([0, rank], device=comm.device)),
         "ring replay exchange": lambda: exchange(pairs, captured, rank, comm),
         "bucket check": check,
         "alt: all-reduce SUM+MAX": lambda: _alt_allreduce(ALT_SUM_WORDS, ALT_MAX_WORDS),

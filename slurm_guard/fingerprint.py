@@ -25,7 +25,7 @@ benchmarks measure its bandwidth.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -140,8 +140,12 @@ class Fingerprinter:
 
 def as_int(fp: torch.Tensor) -> int:
     """One 62-bit integer for records and display."""
-    lanes = [int(v) for v in fp.tolist()]
-    return (lanes[0] << 31) | lanes[1]
+    return lanes_to_int(fp.tolist())
+
+
+def lanes_to_int(lanes: Sequence[int]) -> int:
+    """`as_int` of a fingerprint already read to the host (e.g. a row of a gather)."""
+    return (int(lanes[0]) << 31) | int(lanes[1])
 
 
 def as_hex(fp: torch.Tensor) -> str:

@@ -397,12 +397,12 @@ class Guard:
             self._buffer_fingerprint = self.fingerprinter.tensors(list(self.module.buffers()))
             self._snapshot_due = False
 
-    def vote_fingerprint(self) -> int:
+    def vote_fingerprint(self) -> torch.Tensor:
         """Parameters and optimizer state now; buffers as broadcast at this step's forward."""
         parts = [self.fingerprinter.tensors(self.state_tensors(buffers=False))]
         if self._buffer_fingerprint is not None:
             parts.append(self._buffer_fingerprint)
-        return as_int(self.fingerprinter.combine(parts))
+        return self.fingerprinter.combine(parts)
 
     def state_tensors(self, buffers: bool = True) -> list[torch.Tensor]:
         """Everything replicas must hold identically: parameters, buffers, optimizer state."""

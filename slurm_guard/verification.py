@@ -21,7 +21,7 @@ import torch
 from slurm_guard.abft import Abft
 from slurm_guard.collective import Collective, RankFailed
 from slurm_guard.config import GuardConfig
-from slurm_guard.fingerprint import Fingerprinter, as_int
+from slurm_guard.fingerprint import Fingerprinter, as_int, lanes_to_int
 from slurm_guard.hooks import HookState, param_sketch
 from slurm_guard.protocol import Check, Verdict
 from slurm_guard.replay import Captured, ReplayOutput, exchange
@@ -493,9 +493,13 @@ class Verifier:
         third_distance = bits_to_float(third_grad) if tolerant else None
         return settle_with_third(disputed, third, third_loss, third_grad, third_distance)
 
-    def vote(self, step: int, fingerprint: int) -> Finding | None:
-        """Compare this replica's state fingerprint with every other replica's."""
-        rows = self.comm.all_gather_rows([fingerprint])
-        finding = judge_vote([r[0] for r in rows])
-        self.ledger(step, Check.VOTE, finding is None, {"fingerprint": f"{fingerprint:016x}"})
+    def vote(self, step: int, fingerprint: torch.Tensor) -> Finding | None:
+        """Compare this replica's state fingerprint (its lanes, on the device) with every other
+        replica's: the gather's one host read is the only one, the fingerprint is not read
+        on its own first."""
+        rows = self.comm.all_gather_rows(fingerprint)
+        values = [lanes_to_int(r) for r in rows]
+        finding = judge_vote(values)
+        mine = values[self.comm.rank]
+        self.ledger(step, Check.VOTE, finding is None, {"fingerprint": f"{mine:016x}"})
         return finding
