@@ -284,3 +284,17 @@ def test_a_record_for_another_first_node_is_refused(tmp_path: Path) -> None:
     other = task_from_env(_task_env(1, tmp_path, SLURM_STEP_NODELIST="gpu-[01-03]"))
     with pytest.raises(LaunchError, match="names node 'gpu-07'"):
         step_rendezvous_address(other, None, _task_env(1, tmp_path), timedelta(seconds=1))
+
+
+def test_a_requeued_run_removes_its_earlier_runs_records_only(tmp_path: Path) -> None:
+    client = FakeClient({"gpu-07": "10.1.2.7"})
+    first = task_from_env(_task_env(0, tmp_path))
+    step_rendezvous_address(first, client, _task_env(0, tmp_path))  # type: ignore[arg-type]
+    earlier = rendezvous_file(tmp_path, first, "0")
+    other_job = earlier.with_name("999." + earlier.name.split(".", 1)[1])
+    other_job.write_text(earlier.read_text())
+    env = _task_env(0, tmp_path, SLURM_RESTART_COUNT="2")
+    requeued = task_from_env(env)
+    assert step_rendezvous_address(requeued, client, env) == "10.1.2.7"  # type: ignore[arg-type]
+    records = sorted(p.name for p in earlier.parent.iterdir())
+    assert records == sorted([rendezvous_file(tmp_path, requeued, "0").name, other_job.name])

@@ -284,7 +284,20 @@ def step_rendezvous_address(
             f"cannot write the rendezvous record {path} ({exc}): the run directory must be "
             f"writable and shared by all nodes; or export {ADDR_ENV} before srun"
         ) from exc
+    _forget_earlier_runs(path, task)
     return address
+
+
+def _forget_earlier_runs(path: Path, task: SlurmTask) -> None:
+    """Remove this job step's records from before a requeue (lower restart counts): every task
+    of those runs has ended, so nothing reads them, and a long run requeued many times would
+    otherwise leave one file per restart. Best effort: a record left behind is harmless."""
+    stem = path.name.rsplit(".", 2)[0]  # "<job>.<step>"
+    for old in path.parent.glob(f"{stem}.*.json"):
+        restart = old.name[len(stem) + 1 : -len(".json")]
+        if restart.isdigit() and int(restart) < task.restart_count:
+            with contextlib.suppress(OSError):
+                old.unlink()
 
 
 def init_distributed_from_slurm(
