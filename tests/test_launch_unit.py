@@ -293,7 +293,7 @@ def test_a_requeued_run_removes_its_earlier_runs_records_only(tmp_path: Path) ->
     earlier = rendezvous_file(tmp_path, first, "0")
     other_job = earlier.with_name("999." + earlier.name.split(".", 1)[1])
     other_job.write_text(earlier.read_text())
-    env = _task_env(0, tmp_path, SLURM_RESTART_COUNT="2")
+    env = _task_env(0, tmp_path, SLURM_RESTART_COUNT="3")  # the first run had 2
     requeued = task_from_env(env)
     assert step_rendezvous_address(requeued, client, env) == "10.1.2.7"  # type: ignore[arg-type]
     records = sorted(p.name for p in earlier.parent.iterdir())
