@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import threading
 
 import torch
 
@@ -94,21 +93,8 @@ class _Native:
         self.finish.restype = ctypes.c_int
 
 
-_native_lock = threading.Lock()
-_native: _Native | None = None
-_native_tried = False
-
-
-def native() -> _Native | None:
-    """The compiled kernel, built on first use (cached on disk); None if it cannot be built."""
-    global _native, _native_tried
-    if not _native_tried:
-        with _native_lock:
-            if not _native_tried:
-                lib = _kernels.load(C_SOURCE, kernel_defines())
-                _native = _Native(lib) if lib is not None else None
-                _native_tried = True
-    return _native
+native = _kernels.LazyKernel(C_SOURCE, kernel_defines, _Native)
+"""The compiled kernel, built on first use (cached on disk); None if it cannot be built."""
 
 
 def backend() -> str:

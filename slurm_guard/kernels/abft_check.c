@@ -177,6 +177,19 @@ int sg_abft_stats(const float *a, int64_t n, int64_t d, int64_t block, float *rs
     return 0;
 }
 
+/* One residual against its squared bound: keeps the largest residual^2 / bound2 in *best and
+ * sets *bad for a NaN (a non-finite product or operand) or a bound that overflowed (operands
+ * near float32's range: dividing by inf would make every residual look like 0). */
+static inline void keep_worst(double residual, double bound2, double *best, int *bad) {
+    double q = bound2 < INFINITY ? residual * residual / bound2 : NAN;
+    if (!(q <= *best)) {
+        if (q > *best)
+            *best = q;
+        else
+            *bad = 1;
+    }
+}
+
 /* The check of one product out (rows, p), float32, contiguous, rows blocked by `block`:
  *   residual[b, c] = pred[b, c] + n_b bias[c] - sum_{i in b} out[i, c]
  *   bound2[b, c]   = (k1(n_b) a_sq[b] + k3 s_sq[b]) m_sq[c] + k24(n_b) bias[c]^2 + floor
@@ -223,14 +236,7 @@ double sg_abft_compare(const float *out, int64_t rows, int64_t p, int64_t block,
                     predicted += nr * beta;
                     bound2 += k24 * beta * beta;
                 }
-                double r = predicted - (double)acc[j];
-                double q = bound2 < INFINITY ? r * r / bound2 : NAN; /* unbounded: fail */
-                if (!(q <= best)) {
-                    if (q > best)
-                        best = q;
-                    else
-                        bad = 1; /* NaN */
-                }
+                keep_worst(predicted - (double)acc[j], bound2, &best, &bad);
             }
         }
     }
@@ -259,14 +265,7 @@ double sg_abft_compare_t(const float *out, int64_t R, int64_t C, int64_t block, 
         const float *pc = pred + c * R;
         for (int64_t r = 0; r < R; r++) {
             double res = (double)pc[r] - (double)lane_sum(out + r * C + c0, w);
-            double bound2 = v * m_sq[r] + floor2;
-            double q = bound2 < INFINITY ? res * res / bound2 : NAN; /* unbounded: fail */
-            if (!(q <= best)) {
-                if (q > best)
-                    best = q;
-                else
-                    bad = 1; /* NaN */
-            }
+            keep_worst(res, v * m_sq[r] + floor2, &best, &bad);
         }
     }
     return bad ? INFINITY : best;

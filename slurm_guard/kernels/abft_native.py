@@ -13,7 +13,6 @@ Only float32, contiguous, CPU tensors go through here; callers check with `eligi
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
@@ -40,22 +39,9 @@ class _Native:
         self.compare_t.restype = ctypes.c_double
 
 
-_lock = threading.Lock()
-_native: _Native | None = None
-_tried = False
-
-
-def native() -> _Native | None:
-    """The compiled kernel, built on first use (cached on disk); None if it cannot be built or
-    SLURM_GUARD_NATIVE=0."""
-    global _native, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                lib = _kernels.load(C_SOURCE, kernel_defines())
-                _native = _Native(lib) if lib is not None else None
-                _tried = True
-    return _native
+native = _kernels.LazyKernel(C_SOURCE, kernel_defines, _Native)
+"""The compiled kernel, built on first use (cached on disk); None if it cannot be built or
+SLURM_GUARD_NATIVE=0."""
 
 
 def eligible(t: torch.Tensor) -> bool:

@@ -22,10 +22,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from pathlib import Path
+from typing import Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -158,3 +159,32 @@ def thread_pool(workers: int) -> ThreadPoolExecutor:
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sg-kernel")
             _pool_size = workers
         return _pool
+
+
+W = TypeVar("W")
+
+
+class LazyKernel(Generic[W]):
+    """A shipped kernel, compiled, loaded and wrapped (ctypes signatures) on the first call;
+    later calls cost one attribute read. Calling it returns the wrapper, or None when the
+    kernel cannot be built or SLURM_GUARD_NATIVE=0 (callers then use their torch spec)."""
+
+    def __init__(
+        self,
+        name: str,
+        defines: Callable[[], Mapping[str, int]],
+        wrap: Callable[[ctypes.CDLL], W],
+    ) -> None:
+        self._name, self._defines, self._wrap = name, defines, wrap
+        self._value: W | None = None
+        self._tried = False
+        self._lock = threading.Lock()  # not the module's: load() takes that one
+
+    def __call__(self) -> W | None:
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    lib = load(self._name, self._defines())
+                    self._value = self._wrap(lib) if lib is not None else None
+                    self._tried = True
+        return self._value

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-import threading
 
 import torch
 
@@ -153,21 +152,8 @@ class _Native:
         self.finish.restype = None
 
 
-_lock = threading.Lock()
-_native: _Native | None = None
-_tried = False
-
-
-def native() -> _Native | None:
-    """The compiled kernel, built on first use (cached on disk); None if it cannot be built."""
-    global _native, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                lib = _kernels.load(C_SOURCE, kernel_defines())
-                _native = _Native(lib) if lib is not None else None
-                _tried = True
-    return _native
+native = _kernels.LazyKernel(C_SOURCE, kernel_defines, _Native)
+"""The compiled kernel, built on first use (cached on disk); None if it cannot be built."""
 
 
 def native_check(
