@@ -258,6 +258,16 @@ class Collective:
 
     # ------------------------------------------------------------------ agreement
 
+    def share_problem(self, problem: str | None, what: str) -> None:
+        """Every rank raises the same error if `problem` is set on any rank (all must call):
+        a file one rank cannot read or write stops them all, with that rank's words."""
+
+        def check() -> None:
+            if problem is not None:
+                raise GuardError(problem)
+
+        self.agree(check, what)
+
     def agree(self, fn: Callable[[], T], what: str) -> T:
         """Run `fn` on this rank; if it raised on any rank, raise `RankFailed` on every rank.
 

@@ -47,7 +47,7 @@ from slurm_guard.replay import (
     preserved_state,
     recompute,
 )
-from slurm_guard.restore import load_checkpoint, record_rollback, resume_collectively, share
+from slurm_guard.restore import load_checkpoint, record_rollback, resume_collectively
 from slurm_guard.run_identity import check_unchanged
 from slurm_guard.run_lock import RunLock
 from slurm_guard.run_start import open_run_dir, write_run_file
@@ -219,7 +219,7 @@ class Guard:
             except Exception as exc:  # any other failure must reach every rank too
                 logger.exception("could not write %s", self.run_dir.run_file)
                 unwritten = f"cannot write {self.run_dir.run_file} ({type(exc).__name__}: {exc})"
-        self._share(unwritten, "run.json")
+        self.comm.share_problem(unwritten, "run.json")
 
     # ---------------------------------------------------------------- set-up helpers
 
@@ -231,10 +231,6 @@ class Guard:
             with contextlib.suppress(RecordError, KeyError, TypeError, ValueError):
                 seed = int(read_json_file(self.run_dir.run_file)["seed"])
         return self.comm.broadcast_ints([seed])[0]
-
-    def _share(self, problem: str | None, what: str) -> None:
-        """Every rank raises the same error if `problem` is set on any rank (all must call)."""
-        share(self.comm, problem, what)
 
     def _open_run_dir(self) -> None:
         """Before the seed and the checks: everything after writes into this directory."""
@@ -440,7 +436,7 @@ class Guard:
             problem = f"another job took over the lock {self.run_dir.lock_file}"
         if problem is not None:
             problem = f"checkpoint at step {step} not saved: {problem}"
-        self._share(problem, "run directory check before the save")
+        self.comm.share_problem(problem, "run directory check before the save")
         stage = ckpt.staging_dir(self.run_dir, step, self.restart_count, self.attempt)
         try:
             ckpt.write_rank_files(
@@ -453,7 +449,7 @@ class Guard:
             logger.exception("rank %d could not write its checkpoint files", self.rank)
             problem = f"checkpoint at step {step}: could not write its files ({exc})"
         try:
-            self._share(problem, "checkpoint files")
+            self.comm.share_problem(problem, "checkpoint files")
         except GuardError:
             if self.rank == 0:
                 ckpt.discard(stage)
@@ -475,7 +471,7 @@ class Guard:
                 logger.exception("could not publish checkpoint %s", path)
                 problem = f"checkpoint at step {step} could not be published ({exc})"
                 ckpt.discard(stage)
-        self._share(problem, "checkpoint publish")
+        self.comm.share_problem(problem, "checkpoint publish")
         return path
 
     # ---------------------------------------------------------------- alarms and recovery

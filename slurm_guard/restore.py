@@ -26,16 +26,6 @@ from slurm_guard.recovery import ResumePlan, ResumePoint, finish_rollback, plan_
 from slurm_guard.rundir import RunDir, fresh_start_requested, parse_checkpoint_meta
 
 
-def share(comm: Collective, problem: str | None, what: str) -> None:
-    """Every rank raises the same error if `problem` is set on any rank (all must call)."""
-
-    def check() -> None:
-        if problem is not None:
-            raise GuardError(problem)
-
-    comm.agree(check, what)
-
-
 @dataclass(frozen=True)
 class Resumed:
     """What every rank agreed on after the load; the rollback is recorded only afterwards."""
@@ -66,7 +56,7 @@ def resume_collectively(
             plan = plan_resume(run_dir, trust_replays, fresh=fresh_start_requested())
         except (GuardError, OSError) as exc:
             problem = str(exc)
-    share(comm, problem, "resume: reading the run directory")
+    comm.share_problem(problem, "resume: reading the run directory")
     chosen = -1
     while True:
         step = -1
@@ -88,7 +78,7 @@ def resume_collectively(
     if plan is not None and chosen < 0:
         error = plan.nothing_usable()
         problem = None if error is None else str(error)
-    share(comm, problem, "resume")
+    comm.share_problem(problem, "resume")
     point = plan.point(chosen) if plan is not None else None
     # Only the newest `trust_replays` passes can ever bound a later rollback.
     k = trust_replays
@@ -118,7 +108,7 @@ def record_rollback(
             finish_rollback(run_dir, point, restart_count, attempt)
         except (GuardError, OSError) as exc:
             problem = f"could not record the rollback ({exc})"
-    share(comm, problem, "resume: recording the rollback")
+    comm.share_problem(problem, "resume: recording the rollback")
 
 
 def load_checkpoint(

@@ -21,7 +21,6 @@ from slurm_guard.faults import Fault
 from slurm_guard.fingerprint_fast import backend
 from slurm_guard.protocol import RUN_SCHEMA
 from slurm_guard.records import RecordError, atomic_write_json, read_json_file
-from slurm_guard.restore import share
 from slurm_guard.run_identity import (
     establish_identity,
     identity_stamp,
@@ -73,7 +72,7 @@ def open_run_dir(
             prepare_markers(run_dir, attempt)
         except (GuardError, RecordError, OSError) as exc:
             problem = str(exc)
-    share(comm, problem, "run directory lock and identity")
+    comm.share_problem(problem, "run directory lock and identity")
     run_id = ""
     try:
         identity = read_json_file(run_dir.identity_file)
@@ -86,7 +85,7 @@ def open_run_dir(
             f"; {run_dir.root} must be one directory on a filesystem that every node "
             "mounts at the same path"
         )
-    share(comm, problem, "run directory markers")
+    comm.share_problem(problem, "run directory markers")
     seen = markers_seen(run_dir, attempt, world_size)
     digest = int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:7], "big")
     rows = comm.all_gather_rows([seen, digest])
