@@ -105,8 +105,9 @@ def one_repetition(
 ) -> dict[str, Any]:
     from slurm_guard.controller import Engine, Policy, StateStore
     from slurm_guard.drill.slurm import usable_node
-    from slurm_guard.drill.stages import FAULT_SPEC, poll
+    from slurm_guard.drill.stages import FAULT_SPEC
     from slurm_guard.examples.train import read_events, read_result
+    from slurm_guard.polling import poll
 
     rep_dir = work / f"rep{rep}"
     run, state = rep_dir / "run", rep_dir / "state"

@@ -17,9 +17,9 @@ from slurm_guard.drill.stages import (
     StageFailed,
     check,
     make_work_dir,
-    poll,
     short_digest,
 )
+from slurm_guard.polling import poll
 from slurm_guard.protocol import DEFAULT_STATE_DIR
 
 

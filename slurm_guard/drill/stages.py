@@ -1,6 +1,6 @@
-"""What every drill shares: stages that print PASS/FAIL, checks, polling, the work dir.
+"""What every drill shares: stages that print PASS/FAIL, checks, the work dir.
 
-`poll` is also the project's public polling helper (`slurm_guard.drill.poll`).
+The drills wait with `slurm_guard.polling.poll` (re-exported as `slurm_guard.drill.poll`).
 """
 
 from __future__ import annotations
@@ -11,12 +11,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from slurm_guard.errors import GuardError
 
 Echo = Callable[[str], None]
-T = TypeVar("T")
 
 LOCAL_JOB_ID = "1001"
 CLEAN_JOB_ID = "1000"
@@ -93,33 +92,6 @@ def check(condition: bool, message: str) -> None:
     """Fail the current stage with `message` unless `condition` holds."""
     if not condition:
         raise StageFailed(message)
-
-
-def poll(
-    predicate: Callable[[], T | None],
-    timeout: float,
-    what: str,
-    interval: float = 0.05,
-    max_interval: float = 0.5,
-) -> T:
-    """Call `predicate` until it returns something truthy, and return that value.
-
-    The project's one polling helper (the drill, and tests that wait for Slurm or for files).
-    Polling starts fast (Slurm reacts in tens of milliseconds) and backs off to `max_interval`
-    so a slow machine is not hammered. On timeout, TimeoutError names `what` and the last value
-    seen, which usually says where things got stuck. Exceptions from `predicate` propagate: a
-    broken query is an error, not a reason to keep waiting.
-    """
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while True:
-        last = predicate()
-        if last:
-            return last
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"waited {timeout:g} s for {what}; last: {last!r}")
-        time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-        interval = min(interval * 1.5, max_interval)
 
 
 def make_work_dir(work_dir: Path | None, prefix: str) -> Path:

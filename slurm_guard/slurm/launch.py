@@ -29,13 +29,13 @@ import os
 import re
 import shlex
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from slurm_guard.errors import GuardError
+from slurm_guard.polling import poll
 from slurm_guard.protocol import COMMENT_KEY, DEFAULT_STATE_DIR
 from slurm_guard.slurm.parsers import expand_hostlist
 
@@ -211,20 +211,21 @@ def wait_for_address(
     path: Path, task: SlurmTask, timeout: datetime.timedelta, poll_s: float = 0.05
 ) -> str:
     """Rank > 0: wait (up to `timeout`, never longer) for rank 0's record at `path`."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    while True:
-        address = _read_published(path, task)
-        if address is not None:
-            return address
-        if time.monotonic() >= deadline:
-            raise LaunchError(
-                f"rank {task.rank}: rank 0 did not publish the rendezvous address in {path} "
-                f"within {timeout.total_seconds():g} s. Look at rank 0's output (did it start? "
-                f"can it reach slurmctld and write the run directory, which must be on storage "
-                f"shared by all nodes?), or export {ADDR_ENV} before srun"
-            )
-        time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
-        poll_s = min(2 * poll_s, 1.0)
+    try:
+        return poll(
+            lambda: _read_published(path, task),
+            timeout.total_seconds(),
+            f"rank 0's rendezvous record {path}",
+            interval=poll_s,
+            max_interval=1.0,
+        )
+    except TimeoutError:
+        raise LaunchError(
+            f"rank {task.rank}: rank 0 did not publish the rendezvous address in {path} "
+            f"within {timeout.total_seconds():g} s. Look at rank 0's output (did it start? "
+            f"can it reach slurmctld and write the run directory, which must be on storage "
+            f"shared by all nodes?), or export {ADDR_ENV} before srun"
+        ) from None
 
 
 def step_rendezvous_address(
