@@ -240,7 +240,7 @@ def gemm_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from slurm_guard.abft.checked import PASSES, _x_blocked
+    from slurm_guard.abft.checked import PASSES, stored_is_checked
     from slurm_guard.abft.wrap import ATTR
     from slurm_guard.examples.tiny_gpt import TinyGPT, lm_loss, make_batch
 
@@ -278,7 +278,7 @@ def gemm_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 # the check blocks the weight gradient along its longer side, so the checked
                 # product may be the transpose of the stored layout the fault was put into
                 k, p = (cols, rows_) if site.kind == "linear" else (rows_, cols)
-                if _x_blocked(k, p) != (site.kind == "addmm"):
+                if not stored_is_checked(site.kind, k, p):
                     row, col = col, row
             bound2 = site.probe["bound2"] if site.probe else None
             if bound2 is not None:

@@ -269,6 +269,12 @@ def _x_blocked(k: int, p: int) -> bool:
     return k > p
 
 
+def stored_is_checked(kind: str, k: int, p: int) -> bool:
+    """Whether the weight gradient in its stored layout (g^T x for nn.Linear, x^T g for Conv1D)
+    is the product the check blocks (else its transpose is), for input width k, output width p."""
+    return _x_blocked(k, p) == (kind == "addmm")
+
+
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
@@ -351,7 +357,7 @@ class _NativeCheck:
         product_rows = k if by_x else g.shape[1]
         f = site.factors(n, min(product_rows, site.block), stored)
         args = (p_stats.ca_sq, p_stats.cs_sq, q_col_sq, f.native)
-        if by_x == (site.kind == "addmm"):  # stored is the product itself
+        if stored_is_checked(site.kind, k, g.shape[1]):
             return nk.compare(kernel, _contiguous(stored), site.block, pred, None, *args)
         return nk.compare_transposed(kernel, _contiguous(stored), site.block, pred, *args)
 
@@ -521,9 +527,9 @@ def _torch_backward(
         if stored is not None:
             x_sq = ctx.x_sq if ctx.x_sq is not None else _row_sums(_squares(x2), n)
             x_col_sq, g_col_sq = x_sq.sum(0), g_sq.sum(0)
-            by_x = _x_blocked(x2.shape[1], g.shape[1])
-            product = stored if by_x == (site.kind == "addmm") else stored.t()
-            if by_x:
+            k, p = x2.shape[1], g.shape[1]
+            product = stored if stored_is_checked(site.kind, k, p) else stored.t()
+            if _x_blocked(k, p):
                 ratio = _check_weight_grad(site, x2, x_col_sq, g, g_col_sq, product)
             else:
                 ratio = _check_weight_grad(site, g, g_col_sq, x2, x_col_sq, product)

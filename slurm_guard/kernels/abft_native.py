@@ -127,9 +127,9 @@ def compare(
     factors: ctypes.Array[ctypes.c_double],
 ) -> float:
     """Largest (residual / bound)^2 of the product `out` (R, p) against `pred` (ceil(R/block), p)
-    (+ n_b bias), +inf when any is NaN. a_sq, s_sq: addresses of float64 (B,) vectors (see
-    `Stats.ptr`); m_sq (p,) float64; factors: the bound's five numbers
-    (`slurm_guard.abft.bounds.Factors.native`). out, pred and bias must be `eligible`."""
+    (+ n_b bias), +inf when any is NaN or a bound overflowed. a_sq, s_sq: addresses of float64
+    (B,) vectors (`Stats.a_sq` and `Stats.s_sq`); m_sq (p,) float64; factors: the bound's five
+    numbers (`slurm_guard.abft.bounds.Factors.native`). out, pred and bias must be `eligible`."""
     r, p = out.shape
     return float(
         kernel.compare(
