@@ -500,6 +500,6 @@ class Verifier:
         rows = self.comm.all_gather_rows(fingerprint)
         values = [lanes_to_int(r) for r in rows]
         finding = judge_vote(values)
-        mine = values[self.comm.rank]
+        mine = values[self.rank]
         self.ledger(step, Check.VOTE, finding is None, {"fingerprint": f"{mine:016x}"})
         return finding
