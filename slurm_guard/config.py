@@ -88,7 +88,7 @@ class GuardConfig:
     watchdog_seconds: float = 300.0
     abft: bool = False
     abft_margin: float = 10.0
-    abft_block: int = 32
+    abft_block: int = 64
     triage_seconds: float = 20.0
 
     def __post_init__(self) -> None:
@@ -136,7 +136,7 @@ class GuardConfig:
             raise ConfigError(
                 f"GuardConfig: abft_margin={self.abft_margin!r} must be from 1 to 1000 (the "
                 f"default 10 means a false alarm needs a 10-sigma rounding error) and "
-                f"abft_block={self.abft_block!r} from 1 to 4096 rows (default 32)"
+                f"abft_block={self.abft_block!r} from 1 to 4096 rows (default 64)"
             )
         if not 0 <= self.triage_seconds <= 3600:
             raise ConfigError(

@@ -7,6 +7,8 @@ pass; gradient accumulation, autocast, attention projections, GPT-2's Conv1D and
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from abft_workers import fsdp_run
@@ -118,7 +120,7 @@ def test_a_wrong_element_is_flagged_with_its_layer_and_pass(which: str, kind: st
         out.view(-1)[7] *= 1.5  # 50% wrong: far above any rounding bound
 
     handle.inject(1, which, corrupt)
-    x = torch.randn(3, 20, 24, requires_grad=True)  # 3-D input: 60 rows, 2 blocks
+    x = torch.randn(3, 40, 24, requires_grad=True)  # 3-D input: 120 rows, blocks of 64 and 56
     model(x).square().mean().backward()  # type: ignore[no-untyped-call]
     findings = handle.findings(handle.collect())
     assert hits, "the fault never ran"
@@ -190,18 +192,32 @@ def test_autocast_bfloat16_matches_unchecked_and_still_catches_large_errors() ->
 
 
 def test_the_bound_scales_with_the_unit_roundoff_not_a_magic_constant() -> None:
-    """float64 gives a bound 2^29 times tighter than float32; bfloat16 outputs a looser one."""
+    """Every rounding scaled by 2^-29 scales the bound by 2^-29 (it is linear in the unit
+    roundoffs, not a constant); float64 is that much tighter than float32, less the float64
+    checksum sums both share; bfloat16 outputs give a looser one."""
     rows = torch.tensor([32.0], dtype=torch.float64)
     ones = torch.ones(1, dtype=torch.float64)
     args = (256, rows, ones * 32 * 256, ones * 32, torch.ones(8, dtype=torch.float64) * 256)
     cpu = torch.device("cpu")
+    r32 = roundoff(torch.float32, cpu)
+    scaled = dataclasses.replace(
+        r32,
+        **{
+            f.name: getattr(r32, f.name) * 2.0**-29
+            for f in dataclasses.fields(r32)
+            if f.name != "tiny"
+        },
+    )
+    b32 = residual_bound(*args, None, r32, 10.0).sqrt()
+    assert float(b32[0, 0] / residual_bound(*args, None, scaled, 10.0).sqrt()[0, 0]) == (
+        pytest.approx(2.0**29, rel=1e-3)
+    )
     b64 = residual_bound(*args, None, roundoff(torch.float64, cpu), 10.0).sqrt()
-    b32 = residual_bound(*args, None, roundoff(torch.float32, cpu), 10.0).sqrt()
+    assert 2.0**27 < float(b32[0, 0] / b64[0, 0]) < 2.0**29
     b16 = residual_bound(*args, None, roundoff(torch.bfloat16, cpu), 10.0).sqrt()
-    assert float(b32[0, 0] / b64[0, 0]) == pytest.approx(2.0**29, rel=1e-3)
     assert float(b16[0, 0] / b32[0, 0]) > 2.0**10  # the bfloat16 output rounding
     # and linear in the margin
-    b32_20 = residual_bound(*args, None, roundoff(torch.float32, cpu), 20.0).sqrt()
+    b32_20 = residual_bound(*args, None, r32, 20.0).sqrt()
     assert float(b32_20[0, 0] / b32[0, 0]) == pytest.approx(2.0, rel=1e-3)
 
 

@@ -36,6 +36,9 @@ _U = {
     torch.float16: 2.0**-11,
 }
 TF32 = 2.0**-11  # TensorFloat-32 keeps 10 mantissa bits
+# The C passes (kernels/abft_check.c) form a block sum from float32 partial sums of at most this
+# many signed terms, added in float64 (the torch path sums in float64 throughout: fewer roundings)
+SUM_GROUP = 4
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -51,19 +54,26 @@ class Roundoff:
 
     acc: accumulation inside the GEMM; inp: rounding of the GEMM's inputs (TF32 or bf16 inner
     precision for float32 on CUDA), 0 if none; out: rounding of the stored output; check: the
-    checksum sums; check_inp / check_acc: the checksum GEMM (itself subject to TF32 on CUDA).
+    checksum sums (float64); partial: their partial sums of SUM_GROUP terms (float32 for float32
+    and half-precision GEMMs); check_round: rounding the sums to the checksum GEMM's dtype (0 when
+    that is float64); check_inp / check_acc: the checksum GEMM (itself subject to TF32 on CUDA);
+    tiny: the smallest normal number of the GEMM's check dtype, for the subnormal-range floor.
     """
 
     acc: float
     inp: float
     out: float
     check: float
+    partial: float
+    check_round: float
     check_inp: float
     check_acc: float
+    tiny: float
 
 
 def check_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Checksums of half-precision GEMMs are accumulated in float32, float64 ones in float64."""
+    """The dtype of a GEMM's checksum GEMM and norms: float32 for float32 and half-precision GEMMs,
+    float64 for float64 ones. (The block sums themselves are always accumulated in float64.)"""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -119,7 +129,17 @@ def _roundoff(dtype: torch.dtype, device: torch.device) -> Roundoff:
     check_inp = _fp32_inner(device) if cdt == torch.float32 else 0.0
     inp = _fp32_inner(device) if dtype == torch.float32 else 0.0
     acc = _half_accumulation(dtype, device) if dtype in (torch.bfloat16, torch.float16) else u
-    return Roundoff(acc=acc, inp=inp, out=u, check=uc, check_inp=check_inp, check_acc=uc)
+    return Roundoff(
+        acc=acc,
+        inp=inp,
+        out=u,
+        check=unit_roundoff(torch.float64),
+        partial=uc,
+        check_round=0.0 if cdt == torch.float64 else uc,
+        check_inp=check_inp,
+        check_acc=uc,
+        tiny=torch.finfo(cdt).tiny,
+    )
 
 
 @dataclass(frozen=True)
@@ -151,9 +171,7 @@ class Factors:
 
 
 @functools.lru_cache(maxsize=4096)
-def factors(
-    q: int, n_max: float, r: Roundoff, margin: float, cdt: torch.dtype, low_out: bool = False
-) -> Factors:
+def factors(q: int, n_max: float, r: Roundoff, margin: float, low_out: bool = False) -> Factors:
     """The bound's shape-dependent numbers (see `residual_bound` for their derivation).
 
     The floor covers roundings in the subnormal range; its square is kept at least the check
@@ -161,18 +179,20 @@ def factors(
     residual) compares 0 with a positive number instead of 0 / 0 (NaN, a false alarm).
     """
     out_term = 0.0 if low_out else r.out**2
-    per_element = (q + 1) * r.acc**2 + 2.1 * r.inp**2 + out_term
-    check_gemm = (2 * q + 1) * (r.check_acc**2 + 2.1 * r.check_inp**2)
+    gemm = (q + 1) * r.acc**2 + 2.1 * r.inp**2 + out_term
+    # the checksum GEMM's own roundings, and its input (the float64 sums) rounded to its dtype
+    check_gemm = (2 * q + 1) * (r.check_acc**2 + 2.1 * r.check_inp**2) + r.check_round**2
     # products of two or more roundings: (1 + d_out) prod (1 + d_t) - 1 - sum of first-order
     # terms is at most R = (e^E - 1 - E)(1 + u_out) + u_out (e^E - 1), E the other roundings
     # (a single output rounding has no square of its own)
     events = (2 * q + 2) * r.acc + 2 * r.inp
     second = (math.expm1(events) - events) * (1 + r.out) + r.out * math.expm1(events)
-    remainder = second * math.sqrt(n_max / per_element)
+    remainder = second * math.sqrt(n_max / gemm)
+    # the partial sums of SUM_GROUP terms in both checksum sums (see residual_bound)
+    per_element = gemm + 1.5 * (SUM_GROUP - 1) * SUM_GROUP * r.partial**2
     # 1.01: the norms and this formula are themselves computed in floating point
     scale = (1.01 * (margin + remainder)) ** 2
-    tiny = torch.finfo(cdt).tiny
-    floor2 = max((tiny * (2 * q + 8) * n_max) ** 2, tiny)
+    floor2 = max((r.tiny * (2 * q + 8) * n_max) ** 2, r.tiny)
     values = (per_element, check_gemm, r.check**2, scale, floor2)
     return Factors(*values, native=(ctypes.c_double * 5)(*values))
 
@@ -204,21 +224,31 @@ def residual_bound(
             type: its rounding, u_out |y_ic| per element, is then bounded by the output itself
             (about sqrt(q) tighter than through rho).
 
-    Per output element the GEMM makes at most 2q + 2 roundings (q products, q additions, the bias,
-    the output) plus 2q input roundings, each at most u * rho with rho = ||a_i|| ||m_c|| + |beta_c|
-    >= sum_l |a_il m_lc| + |beta_c| (Cauchy-Schwarz); summing n_b rows of the block adds n_b - 1
-    roundings of partial sums no larger than sum_i rho_i (both checksum sums: output and A); the
-    checksum GEMM 2q + 1 roundings no larger than ||s_b|| ||m_c|| + n_b |beta_c|; the final
-    subtraction one, no larger than 2 sum_i rho_i. With sum_i rho_i^2 <= 2 ||m_c||^2 a_sq +
-    2 n_b beta_c^2 this gives sum c_t^2 <= `terms` below. The second-order remainder (products of
-    two roundings, at most R sum_i rho_i, R below) is at most R sqrt(n_b / per_element) sqrt(terms):
+    Every row enters its block's checksum with a sign +-1 (`checked.signs`): the signs change no
+    magnitude below, and the bias enters the prediction with the block's sign sum, at most n_b.
+    Per output element the GEMM makes at most 2q + 2 roundings (q products, q additions, the
+    bias, the output) plus 2q input roundings, each at most u * rho with rho = ||a_i|| ||m_c|| +
+    |beta_c| >= sum_l |a_il m_lc| + |beta_c| (Cauchy-Schwarz). Summing n_b rows of the block in
+    float64 adds n_b - 1 roundings (at most u64) of partial sums no larger than sum_i rho_i (both
+    checksum sums: output and A). Inside those, the C passes form float32 partial sums of
+    G = SUM_GROUP terms: G - 1 roundings per group, each at most u32 times the group's sum of
+    magnitudes, so with Cauchy-Schwarz inside a group their squares sum to at most (G - 1) G u32^2
+    times the block's sum of squared terms: a_sq ||m_c||^2 on the operand side (through the
+    checksum GEMM), sum_i rho_i^2 on the output side; 3 (G - 1) G u32^2 in all, folded into
+    per_element as 1.5 (G - 1) G u32^2 (the formula doubles it). Rounding A's sums s_b to the
+    checksum GEMM's dtype makes q roundings s_l m_lc, whose squares sum to at most
+    u^2 ||s_b||^2 ||m_c||^2; the checksum GEMM makes 2q + 1 roundings no larger than
+    ||s_b|| ||m_c|| + n_b |beta_c|; the final subtraction (float64) one, no larger than
+    2 sum_i rho_i. With sum_i rho_i^2 <= 2 ||m_c||^2 a_sq + 2 n_b beta_c^2 this gives
+    sum c_t^2 <= `terms` below. The second-order remainder (products of two roundings, at most
+    R sum_i rho_i, R below) is at most R sqrt(n_b / per_element) sqrt(terms):
     folded into the margin, negligible in float32, not for half-precision accumulation over long
     reductions.
     """
     uniform = not isinstance(block_rows, torch.Tensor)
     n_b: Any = block_rows if uniform else block_rows[:, None]  # type: ignore[index]
     n_max = float(block_rows) if uniform else float(block_rows.max())  # type: ignore[union-attr]
-    f = factors(q, n_max, r, margin, a_sq.dtype, out_sq is not None)
+    f = factors(q, n_max, r, margin, out_sq is not None)
     k1, k3, k24, floor = f.k1(n_b), f.k3, f.k24(n_b), f.floor2
     if uniform and out_sq is None:  # the common case in two fused kernels
         v = torch.add(a_sq, s_sq, alpha=k3 / k1)

@@ -1,10 +1,13 @@
 """One checked GEMM layer: y = x M + b forward, grad_x = g M^T and grad_M = x^T g backward.
 
 Each of the three products is checked by block checksums (algorithm-based fault tolerance): the
-rows of the output are summed in blocks of `block` rows and compared with the same sums computed
-from the summed input rows, a GEMM `block` times smaller than the one checked. A wrong output
-element changes exactly one block checksum by the size of its error, which is then compared with
-the rounding bound of `bounds.py`. Nothing leaves the device: each check leaves one scalar (the
+rows of the output are summed in blocks of `block` rows, each row with a fixed sign (`signs`), and
+compared with the same signed sums computed from the input rows, a GEMM `block` times smaller than
+the one checked. A wrong output element changes exactly one block checksum by the size of its
+error, which is then compared with the rounding bound of `bounds.py`. The sums are accumulated in
+float64, so the bound is the GEMM's own rounding, not the checksum's; the signs keep a block's
+checksum row small when its rows share an offset (post-GELU activations), which keeps the
+checksum GEMM's rounding small too. Nothing leaves the device: each check leaves one scalar (the
 largest residual divided by its bound) that the site keeps for the per-step reduction.
 
 `M` is the (in, out) matrix: `weight.t()` for `nn.Linear` (whose forward still calls
@@ -18,6 +21,7 @@ over the middle of a contiguous view: strided reductions cost more than the GEMM
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -51,7 +55,7 @@ class Site:
     name: str
     kind: str  # "linear" (M = weight.t()) or "addmm" (M = weight)
     margin: float = 10.0
-    block: int = 32
+    block: int = 64
     checking: bool = True
     results: list[tuple[int, torch.Tensor | float]] = field(default_factory=list)
     injectors: dict[int, list[Injector]] = field(default_factory=dict)
@@ -76,10 +80,10 @@ class Site:
             self.flops.append(2 * n * k * m)
 
     def bias_sq(self, b: torch.Tensor) -> torch.Tensor:
-        """beta^2, kept like the weight norms (the bias changes only at the update)."""
+        """beta^2 in float64, kept like the weight norms (the bias changes only at the update)."""
         key = (b.data_ptr(), b._version, -1)
         if self.bias_norms is None or self.bias_norms[0] != key:
-            self.bias_norms = (key, b.square())
+            self.bias_norms = (key, b.double().square())
         return self.bias_norms[1]
 
     def weight_norms(
@@ -123,7 +127,7 @@ class Site:
         f = self._factors.get(key)
         if f is None:
             r = roundoff(like.dtype, like.device)
-            f = self._factors[key] = factors(q, float(n_max), r, self.margin, torch.float32)
+            f = self._factors[key] = factors(q, float(n_max), r, self.margin)
         return f
 
 
@@ -161,8 +165,22 @@ _NO_CONTEXT = contextlib.nullcontext()
 
 Rows = float | torch.Tensor  # rows per checksum block: one number when all blocks are equal
 
+SIGN_HASH = 0x9E3779B9  # 2^32 / golden ratio
+
+
+@functools.lru_cache(maxsize=64)
+def signs(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The sign (+1 or -1) of each of n rows in its block's checksum: -1 where the top bit of
+    (i * SIGN_HASH) mod 2^32 is set. A Weyl sequence: any run of rows has about as many of each,
+    so rows that share an offset cancel it in the checksum instead of adding it up. The C passes
+    read the same signs (float32, CPU)."""
+    i = torch.arange(n, dtype=torch.int64)
+    top = ((i * SIGN_HASH) & 0xFFFFFFFF) >> 31
+    return (1 - 2 * top).to(dtype=dtype, device=device)
+
 
 def _rows(n: int, block: int, like: torch.Tensor) -> Rows:
+    """Rows per block (the bound's n_b): one number when all blocks are equal, else (B,)."""
     if n % block == 0 or n < block:
         return float(min(n, block))
     full = n // block
@@ -171,29 +189,39 @@ def _rows(n: int, block: int, like: torch.Tensor) -> Rows:
     return out
 
 
-def _row_sums(t: torch.Tensor, block: int) -> torch.Tensor:
-    """Sums of consecutive blocks of `block` rows of a 2-D tensor in the check dtype; a ragged
+def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Sums of consecutive blocks of `block` rows of a 2-D tensor, in its own dtype; a ragged
     last block is a block of its own."""
-    cdt = check_dtype(t.dtype)
     n, d = t.shape
     if n <= block:
-        return t.sum(0, keepdim=True, dtype=cdt)
+        return t.sum(0, keepdim=True)
     full = n // block
-    body = t if full * block == n else t[: full * block]
-    sums = body.reshape(full, block, d).sum(1, dtype=cdt)
+    sums = t[: full * block].reshape(full, block, d).sum(1)
     if full * block == n:
         return sums
-    return torch.cat([sums, t[full * block :].sum(0, keepdim=True, dtype=cdt)])
+    return torch.cat([sums, t[full * block :].sum(0, keepdim=True)])
 
 
-def _col_sums(t: torch.Tensor, block: int) -> torch.Tensor:
-    """Sums of consecutive blocks of `block` columns of a 2-D tensor: (rows, blocks)."""
-    return _row_sums(t.t(), block).t() if t.shape[1] % block else _inner_sums(t, block)
+def _row_sums(t: torch.Tensor, block: int) -> torch.Tensor:
+    """Block sums of a 2-D tensor's rows in the check dtype (norms: squares, unsigned)."""
+    return _blocks(t.to(check_dtype(t.dtype)), block)
 
 
-def _inner_sums(t: torch.Tensor, block: int) -> torch.Tensor:
-    r, d = t.shape
-    return t.reshape(r, d // block, block).sum(2, dtype=check_dtype(t.dtype))
+def _checksums(t: torch.Tensor, block: int) -> torch.Tensor:
+    """The checksum rows of a 2-D tensor: its rows times their `signs`, summed per block of
+    `block` rows, in float64 (B, d)."""
+    t64 = t.double()
+    return _blocks(t64 * signs(t.shape[0], torch.float64, t.device)[:, None], block)
+
+
+def _col_checksums(t: torch.Tensor, block: int) -> torch.Tensor:
+    """`_checksums` of t's transpose, transposed back: (rows, blocks) float64."""
+    return _checksums(t.t(), block).t()
+
+
+def _sign_sums(n: int, block: int, like: torch.Tensor) -> torch.Tensor:
+    """(B,) float64: each block's sum of signs, the multiple of the bias its checksum holds."""
+    return _blocks(signs(n, torch.float64, like.device)[:, None], block)[:, 0]
 
 
 def _check(
@@ -202,37 +230,38 @@ def _check(
     out_sums: torch.Tensor,
     a_sums: torch.Tensor,
     a_sq: torch.Tensor,
-    rows: Rows,
     m: torch.Tensor,
     m_sq: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor,
     which: int,
 ) -> torch.Tensor:
-    """(residual / bound)^2 per block and column of one product out = A M (+ bias), A's rows
-    summed per block: out_sums and a_sums (B, .) the block sums, a_sq (B,) the blocks' squared
-    Frobenius norms, m_sq (p,) M's squared column norms, q the reduction length, out the product
-    itself (2-D). Left on the device; `Abft.collect` reduces a whole step's at once.
+    """(residual / bound)^2 per block and column of one product out = A M (+ bias): out_sums and
+    a_sums (B, .) float64 the checksum rows (`_checksums`) of out and A, a_sq (B,) the blocks'
+    squared Frobenius norms, m_sq (p,) M's squared column norms, q the reduction length, out the
+    product itself (2-D). Left on the device; `Abft.collect` reduces a whole step's at once.
 
     A NaN residual (a NaN or Inf out of the GEMM) gives NaN, which `collect` counts as a failed
     check. Non-finite inputs make one too: the guard judges non-finite values with its finite
     check (and replays) first, so a bad sample stays `numerical`."""
-    cdt = a_sums.dtype
     dtype = out.dtype
-    predicted = a_sums @ (m if m.dtype == cdt else m.to(cdt))
+    cdt = check_dtype(dtype)
+    f64 = torch.float64
+    # the checksum GEMM in the check dtype: its input, the float64 sums, rounded once
+    predicted = (a_sums.to(cdt) @ (m if m.dtype == cdt else m.to(cdt))).to(f64)
     bias_sq = None
     if bias is not None:
-        b = bias if bias.dtype == cdt else bias.to(cdt)
-        if isinstance(rows, float):
-            predicted.add_(b, alpha=rows)
-        else:
-            predicted.addcmul_(rows[:, None], b[None, :])
-        bias_sq = site.bias_sq(b)
+        sign_sums = _sign_sums(out.shape[0], site.block, out)
+        predicted.addcmul_(sign_sums[:, None], bias.to(f64)[None, :])
+        bias_sq = site.bias_sq(bias)
     low = dtype in (torch.bfloat16, torch.float16)
-    out_sq = _row_sums(_squares(out), site.block) if low else None
+    out_sq = _row_sums(_squares(out), site.block).to(f64) if low else None
+    rows = _rows(out.shape[0], site.block, predicted)
     s_sq = a_sums.square().sum(1)
     r = roundoff(dtype, m.device)
-    bound2 = residual_bound(q, rows, a_sq, s_sq, m_sq, bias_sq, r, site.margin, out_sq)
+    bound2 = residual_bound(
+        q, rows, a_sq.to(f64), s_sq, m_sq.to(f64), bias_sq, r, site.margin, out_sq
+    )
     if site.probe is not None and site.probe.get("which") == which and "bound2" not in site.probe:
         site.probe["bound2"] = bound2.detach().clone()
     ratio = predicted.sub_(out_sums).square_().div_(bound2)
@@ -254,12 +283,10 @@ def _check_weight_grad(
     reduction runs over the n rows of the step's tokens.
     """
     block = site.block
-    width = p.shape[1]
-    a_sums = _col_sums(p, block).t()  # (R, n)
+    a_sums = _col_checksums(p, block).t()  # (R, n)
     a_sq = _row_sums(p_col_sq.unsqueeze(1), block)[:, 0]
-    rows = _rows(width, block, a_sq)
-    out_sums = _row_sums(grad, block)
-    return _check(site, p.shape[0], out_sums, a_sums, a_sq, rows, q, q_col_sq, None, grad, GRAD_W)
+    out_sums = _checksums(grad, block)
+    return _check(site, p.shape[0], out_sums, a_sums, a_sq, q, q_col_sq, None, grad, GRAD_W)
 
 
 def _x_blocked(k: int, p: int) -> bool:
@@ -279,6 +306,28 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+_CPU = torch.device("cpu")
+
+
+def _cpu_signs(n: int) -> torch.Tensor:
+    """`signs` as the C passes read them (float32, CPU)."""
+    return signs(n, torch.float32, _CPU)
+
+
+def native_stats(
+    kernel: nk._Native, a: torch.Tensor, block: int, rows: bool, cols: bool
+) -> nk.Stats:
+    """`abft_native.stats` of a 2-D operand with the row and/or column signs of `signs`."""
+    n, d = a.shape
+    return nk.stats(
+        kernel,
+        _contiguous(a),
+        block,
+        _cpu_signs(n) if rows else None,
+        _cpu_signs(d) if cols else None,
+    )
+
+
 class _NativeCheck:
     """One layer's checks by the C passes, in cache order: each operand is read right before
     the GEMM that reads it too, each product right after the GEMM that wrote it (a pass over a
@@ -295,7 +344,7 @@ class _NativeCheck:
         kernel: nk._Native, site: Site, x2: torch.Tensor, m: torch.Tensor
     ) -> nk.Stats:
         cols = _x_blocked(x2.shape[1], m.shape[1])
-        st = nk.stats(kernel, _contiguous(x2), site.block, rows=True, cols=cols)
+        st = native_stats(kernel, x2, site.block, rows=True, cols=cols)
         site.weight_norms(m, kernel)
         return st
 
@@ -314,8 +363,9 @@ class _NativeCheck:
         pred = torch.mm(st.rows, m)
         f = site.factors(m.shape[0], min(y.shape[0], block), y)
         b = None if bias is None else _contiguous(bias)
+        sign = _cpu_signs(y.shape[0])
         return nk.compare(
-            kernel, _contiguous(y), block, pred, b, st.a_sq, st.s_sq, col_sq, f.native
+            kernel, _contiguous(y), block, sign, pred, b, st.a_sq, st.s_sq, col_sq, f.native
         )
 
     @staticmethod
@@ -327,9 +377,9 @@ class _NativeCheck:
         assert st.rows is not None
         pred = torch.mm(st.rows, m.t())
         f = site.factors(m.shape[1], min(grad_x.shape[0], block), grad_x)
-        return nk.compare(
-            kernel, _contiguous(grad_x), block, pred, None, st.a_sq, st.s_sq, row_sq, f.native
-        )
+        sign = _cpu_signs(grad_x.shape[0])
+        args = (pred, None, st.a_sq, st.s_sq, row_sq, f.native)
+        return nk.compare(kernel, _contiguous(grad_x), block, sign, *args)
 
     @staticmethod
     def grad_w(
@@ -347,7 +397,7 @@ class _NativeCheck:
         n, k = x2.shape
         by_x = _x_blocked(k, g.shape[1])
         if x_stats is None or (by_x and x_stats.cols is None):
-            x_stats = nk.stats(kernel, _contiguous(x2), site.block, rows=False, cols=by_x)
+            x_stats = native_stats(kernel, x2, site.block, rows=False, cols=by_x)
         if by_x:
             p_stats, q, q_col_sq = x_stats, g, g_stats.col_sq()
         else:
@@ -357,9 +407,10 @@ class _NativeCheck:
         product_rows = k if by_x else g.shape[1]
         f = site.factors(n, min(product_rows, site.block), stored)
         args = (p_stats.ca_sq, p_stats.cs_sq, q_col_sq, f.native)
+        sign = _cpu_signs(product_rows)
         if stored_is_checked(site.kind, k, g.shape[1]):
-            return nk.compare(kernel, _contiguous(stored), site.block, pred, None, *args)
-        return nk.compare_transposed(kernel, _contiguous(stored), site.block, pred, *args)
+            return nk.compare(kernel, _contiguous(stored), site.block, sign, pred, None, *args)
+        return nk.compare_transposed(kernel, _contiguous(stored), site.block, sign, pred, *args)
 
 
 class CheckedGemm(torch.autograd.Function):
@@ -398,17 +449,14 @@ class CheckedGemm(torch.autograd.Function):
             site.results.append((FWD, _NativeCheck.forward(kernel, site, x_stats, m, bias, y)))
         elif active:
             with torch.no_grad(), _no_autocast(y.device):
-                x_sums = _row_sums(x2, site.block)
                 x_sq = _row_sums(_squares(x2), site.block)  # (B, k)
-                rows = _rows(x2.shape[0], site.block, x_sums)
                 col_sq, _ = site.weight_norms(m)
                 ratio = _check(
                     site,
                     k,
-                    _row_sums(y, site.block),
-                    x_sums,
+                    _checksums(y, site.block),
+                    _checksums(x2, site.block),
                     x_sq.sum(1),
-                    rows,
                     m,
                     col_sq,
                     bias,
@@ -439,9 +487,9 @@ class CheckedGemm(torch.autograd.Function):
         quiet = torch.no_grad() if torch.is_grad_enabled() else _NO_CONTEXT  # create_graph
         if kx is not None or kw is not None:
             with quiet:
-                g_stats = nk.stats(
+                g_stats = native_stats(
                     kx or kw,  # type: ignore[arg-type]
-                    _contiguous(g),
+                    g,
                     site.block,
                     rows=kx is not None,
                     cols=kw is not None and not _x_blocked(k, g.shape[1]),
@@ -505,18 +553,15 @@ def _torch_backward(
         return
     n = x2.shape[0]
     with torch.no_grad(), _no_autocast(g.device):
-        g_sums = _row_sums(g, site.block)
         g_sq = _row_sums(_squares(g), site.block)  # (B, out)
-        rows = _rows(n, site.block, g_sums)
         if grad_x is not None:
             _, row_sq = site.weight_norms(m)
             ratio = _check(
                 site,
                 m.shape[1],
-                _row_sums(grad_x, site.block),
-                g_sums,
+                _checksums(grad_x, site.block),
+                _checksums(g, site.block),
                 g_sq.sum(1),
-                rows,
                 m.t(),
                 row_sq,
                 None,

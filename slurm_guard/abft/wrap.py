@@ -31,7 +31,7 @@ from slurm_guard.abft.checked import PASSES, CheckedGemm, Injector, Site
 
 ATTR = "_slurm_guard_abft"
 DEFAULT_MARGIN = 10.0
-DEFAULT_BLOCK = 32
+DEFAULT_BLOCK = 64
 
 
 def _autocast_args(
