@@ -6,8 +6,9 @@ the C passes match) divided by the RMS of that product's elements: an error in o
 than this (plus the clean residual, a few percent of the bound) fails the check. Two kinds of
 input: centred normal data, and the absolute values of normal data (a common positive offset,
 like activations after GELU or ReLU), where unsigned block sums would add the offset up.
+Dtypes: float32, float64, and float16 / bfloat16 GEMMs under CPU autocast (float32 parameters).
 
-    python benchmarks/abft_threshold.py              # float32, blocks 32 and 64
+    python benchmarks/abft_threshold.py              # blocks 32 and 64
     python benchmarks/abft_threshold.py --block 128  # other blocks
 """
 
@@ -24,10 +25,18 @@ from torch import nn
 from slurm_guard.abft import PASSES, attach
 
 SHAPES = ((64, 32, 128), (512, 256, 1024), (4096, 1024, 1024))
-DTYPES = {"float32": torch.float32, "float64": torch.float64}
+# name: (parameter and input dtype, autocast dtype or None)
+DTYPES: dict[str, tuple[torch.dtype, torch.dtype | None]] = {
+    "float32": (torch.float32, None),
+    "float64": (torch.float64, None),
+    "float16 (autocast)": (torch.float32, torch.float16),
+    "bfloat16 (autocast)": (torch.float32, torch.bfloat16),
+}
 
 
-def thresholds(n: int, k: int, p: int, block: int, dtype: torch.dtype, offset: bool) -> list[float]:
+def thresholds(
+    n: int, k: int, p: int, block: int, dtype: torch.dtype, cast: torch.dtype | None, offset: bool
+) -> list[float]:
     """Median bound / RMS element for fwd, grad_x and grad_W of one random layer."""
     gen = torch.Generator().manual_seed(n + k + p)
     layer = nn.Linear(k, p).to(dtype)
@@ -41,7 +50,8 @@ def thresholds(n: int, k: int, p: int, block: int, dtype: torch.dtype, offset: b
     out = []
     for which in range(len(PASSES)):
         site.probe = {"which": which}
-        y = layer(x)
+        with torch.autocast("cpu", dtype=cast or torch.bfloat16, enabled=cast is not None):
+            y = layer(x)
         y.backward(grad_y)
         product = (y, x.grad, layer.weight.grad)[which]
         assert product is not None
@@ -64,11 +74,11 @@ def main() -> None:
     torch.set_num_threads(1)
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
-    for dtype_name, dtype in DTYPES.items():
+    for dtype_name, (dtype, cast) in DTYPES.items():
         for offset in (False, True):
             for n, k, p in SHAPES:
                 for block in blocks:
-                    values = thresholds(n, k, p, block, dtype, offset)
+                    values = thresholds(n, k, p, block, dtype, cast, offset)
                     data = "|normal|" if offset else "normal"
                     cells = [f"{v:.1e}" for v in values]
                     rows.append([dtype_name, data, f"{n} x {k} -> {p}", block, *cells])
