@@ -23,6 +23,7 @@ from _common import table, write_json
 from torch import nn
 
 from slurm_guard.abft import PASSES, attach
+from slurm_guard.abft.checked import HALF_BLOCK
 
 SHAPES = ((64, 32, 128), (512, 256, 1024), (4096, 1024, 1024))
 # name: (parameter and input dtype, autocast dtype or None)
@@ -81,13 +82,16 @@ def main() -> None:
                     values = thresholds(n, k, p, block, dtype, cast, offset)
                     data = "|normal|" if offset else "normal"
                     cells = [f"{v:.1e}" for v in values]
-                    rows.append([dtype_name, data, f"{n} x {k} -> {p}", block, *cells])
+                    used = min(block, HALF_BLOCK) if cast is not None else block
+                    shown = f"{block} (uses {used})" if used != block else str(block)
+                    rows.append([dtype_name, data, f"{n} x {k} -> {p}", shown, *cells])
                     results.append(
                         {
                             "dtype": dtype_name,
                             "data": data,
                             "shape": [n, k, p],
                             "block": block,
+                            "block_used": min(block, HALF_BLOCK) if cast is not None else block,
                             **dict(zip(PASSES, values, strict=True)),
                         }
                     )

@@ -64,7 +64,8 @@ class GuardConfig:
         abft_margin: the checks' threshold, lambda in lambda * sqrt(sum of squared rounding
             terms); a clean GEMM exceeds it with probability <= 2 exp(-lambda^2 / 2).
         abft_block: rows per checksum block. Smaller blocks detect smaller errors and cost a
-            larger checksum GEMM (1/abft_block of the one checked).
+            larger checksum GEMM (1/abft_block of the one checked). float16/bfloat16 products
+            (autocast) use at most 32: there the bound grows as sqrt(block) (docs/coverage.md).
         triage_seconds: at an `sdc` alarm from a replay comparison or a checked GEMM, the
             suspect rank repeats the failing microbatch (up to 3 times) for at most this many
             seconds (and at most half of `watchdog_seconds`), a rank on another node once, and

@@ -22,6 +22,7 @@ from slurm_guard.abft import (
     residual_bound,
     roundoff,
 )
+from slurm_guard.abft.checked import HALF_BLOCK
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
 from slurm_guard.faults import FaultInjector, parse_faults
 from slurm_guard.local_launch import run_local
@@ -219,6 +220,15 @@ def test_the_bound_scales_with_the_unit_roundoff_not_a_magic_constant() -> None:
     # and linear in the margin
     b32_20 = residual_bound(*args, None, r32, 20.0).sqrt()
     assert float(b32_20[0, 0] / b32[0, 0]) == pytest.approx(2.0, rel=1e-3)
+
+
+def test_half_precision_products_use_blocks_of_at_most_32_rows() -> None:
+    """Their bound is the output rounding, which grows as sqrt(block): the float32 default of 64
+    would loosen it by sqrt(2) where the checksum GEMM saves little."""
+    site = attach(nn.Linear(4, 4), block=64).sites[0]
+    assert site.block_for(torch.float32) == site.block_for(torch.float64) == 64
+    assert site.block_for(torch.bfloat16) == site.block_for(torch.float16) == HALF_BLOCK == 32
+    assert attach(nn.Linear(4, 4), block=16).sites[0].block_for(torch.bfloat16) == 16
 
 
 def test_coverage_of_tiny_gpt_counts_every_projection_and_names_attention() -> None:

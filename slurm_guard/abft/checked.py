@@ -36,6 +36,10 @@ from slurm_guard.kernels import abft_native as nk
 
 FWD, GRAD_X, GRAD_W = 0, 1, 2
 PASSES = ("fwd", "grad_x", "grad_w")
+# Rows per checksum block at most for float16/bfloat16 products: their bound is the rounding of
+# each stored output element, which grows as sqrt(block), not the GEMM's (docs/coverage.md)
+HALF_BLOCK = 32
+HALF = (torch.float16, torch.bfloat16)
 
 Injector = Callable[[torch.Tensor], None]
 
@@ -70,6 +74,10 @@ class Site:
 
     def active(self) -> bool:
         return self.checking and not self.suspended()
+
+    def block_for(self, dtype: torch.dtype) -> int:
+        """Rows per checksum block for a product of this dtype."""
+        return min(self.block, HALF_BLOCK) if dtype in HALF else self.block
 
     def inject(self, which: int, out: torch.Tensor) -> None:
         for fn in self.injectors.get(which, ()):
@@ -247,16 +255,16 @@ def _check(
     dtype = out.dtype
     cdt = check_dtype(dtype)
     f64 = torch.float64
+    block = site.block_for(dtype)
     # the checksum GEMM in the check dtype: its input, the float64 sums, rounded once
     predicted = (a_sums.to(cdt) @ (m if m.dtype == cdt else m.to(cdt))).to(f64)
     bias_sq = None
     if bias is not None:
-        sign_sums = _sign_sums(out.shape[0], site.block, out)
+        sign_sums = _sign_sums(out.shape[0], block, out)
         predicted.addcmul_(sign_sums[:, None], bias.to(f64)[None, :])
         bias_sq = site.bias_sq(bias)
-    low = dtype in (torch.bfloat16, torch.float16)
-    out_sq = _row_sums(_squares(out), site.block).to(f64) if low else None
-    rows = _rows(out.shape[0], site.block, predicted)
+    out_sq = _row_sums(_squares(out), block).to(f64) if dtype in HALF else None
+    rows = _rows(out.shape[0], block, predicted)
     s_sq = a_sums.square().sum(1)
     r = roundoff(dtype, m.device)
     bound2 = residual_bound(
@@ -282,7 +290,7 @@ def _check_weight_grad(
     For nn.Linear P = g, Q = x (grad of weight (out, in)); for Conv1D P = x, Q = g. The
     reduction runs over the n rows of the step's tokens.
     """
-    block = site.block
+    block = site.block_for(grad.dtype)
     a_sums = _col_checksums(p, block).t()  # (R, n)
     a_sq = _row_sums(p_col_sq.unsqueeze(1), block)[:, 0]
     out_sums = _checksums(grad, block)
@@ -449,13 +457,14 @@ class CheckedGemm(torch.autograd.Function):
             site.results.append((FWD, _NativeCheck.forward(kernel, site, x_stats, m, bias, y)))
         elif active:
             with torch.no_grad(), _no_autocast(y.device):
-                x_sq = _row_sums(_squares(x2), site.block)  # (B, k)
+                block = site.block_for(y.dtype)
+                x_sq = _row_sums(_squares(x2), block)  # (B, k)
                 col_sq, _ = site.weight_norms(m)
                 ratio = _check(
                     site,
                     k,
-                    _checksums(y, site.block),
-                    _checksums(x2, site.block),
+                    _checksums(y, block),
+                    _checksums(x2, block),
                     x_sq.sum(1),
                     m,
                     col_sq,
@@ -553,14 +562,15 @@ def _torch_backward(
         return
     n = x2.shape[0]
     with torch.no_grad(), _no_autocast(g.device):
-        g_sq = _row_sums(_squares(g), site.block)  # (B, out)
+        block = site.block_for(g.dtype)  # (grad_x has g's dtype)
+        g_sq = _row_sums(_squares(g), block)  # (B, out)
         if grad_x is not None:
             _, row_sq = site.weight_norms(m)
             ratio = _check(
                 site,
                 m.shape[1],
-                _checksums(grad_x, site.block),
-                _checksums(g, site.block),
+                _checksums(grad_x, block),
+                _checksums(g, block),
                 g_sq.sum(1),
                 m.t(),
                 row_sq,
