@@ -17,6 +17,7 @@ nn.Linear and Conv1D, in all three passes:
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import subprocess
@@ -58,6 +59,46 @@ def test_the_source_compiles_with_warnings_as_errors(tmp_path: Path, flags: list
     out = tmp_path / "k.so"
     proc = nat.compile_source(nk.C_SOURCE, nk.kernel_defines(), [*flags, *nat.WARNING_FLAGS], out)
     assert proc.returncode == 0, proc.stderr
+
+
+@needs_native
+def test_the_portable_build_gives_the_vector_builds_bits(tmp_path: Path) -> None:
+    """The AVX2 paths form the same float32 groups, float64 lanes and joining tree as the plain C
+    a machine without AVX2 (or an ARM node) compiles: same bits, so that path is tested here too."""
+    out = tmp_path / "portable.so"
+    proc = nat.compile_source(nk.C_SOURCE, nk.kernel_defines(), nat.BASE_FLAGS, out)
+    assert proc.returncode == 0, proc.stderr
+    portable, vector = nk._Native(ctypes.CDLL(str(out))), nk.native()
+    assert vector is not None
+    gen = torch.Generator().manual_seed(11)
+    for n, d, block in ((70, 33, 32), (128, 256, 64), (45, 100, 8), (7, 5, 64)):
+        a = torch.randn(n, d, generator=gen) * 3
+        got = [native_stats(k, a, block, rows=True, cols=True) for k in (portable, vector)]
+        for name in ("rows", "cols", "norms"):
+            assert torch.equal(getattr(got[0], name), getattr(got[1], name)), name
+        norms = [nk.weight_norms(k, a) for k in (portable, vector)]
+        assert all(torch.equal(x, y) for x, y in zip(*norms, strict=True))
+        pred = got[1].rows
+        assert pred is not None
+        sign = signs(n, torch.float32, a.device)
+        m_sq = torch.rand(d, dtype=torch.float64, generator=gen) + 0.5
+        f = (ctypes.c_double * 5)(1e-14, 1e-14, 1e-32, 100.0, 1e-38)
+        ratios = [
+            nk.compare(k, a, block, sign, pred, a[0], got[1].a_sq, got[1].s_sq, m_sq, f)
+            for k in (portable, vector)
+        ]
+        assert ratios[0] == ratios[1] > 0
+        col_sign = signs(d, torch.float32, a.device)
+        assert got[1].cols is not None
+        pred_t = got[1].cols.t().contiguous()  # (column blocks, n)
+        row_sq = torch.rand(n, dtype=torch.float64, generator=gen) + 0.5
+        ratios = [
+            nk.compare_transposed(
+                k, a, block, col_sign, pred_t, got[1].ca_sq, got[1].cs_sq, row_sq, f
+            )
+            for k in (portable, vector)
+        ]
+        assert ratios[0] == ratios[1] > 0
 
 
 @needs_native
