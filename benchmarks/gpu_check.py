@@ -6,8 +6,9 @@ On a machine with CUDA it runs, each part in its own time budget so one hang can
 3. bandwidth on the GPU: fingerprint and the fused bucket check against `torch.sum` and a copy
    of the same tensor (GB/s of input read; the copy also writes as much);
 4. step overhead of a ~350M-parameter GPT (TinyGPT width 1024, 24 layers, context 512, batch 8)
-   under DDP with NCCL at world size 1: plain DDP, per-step checks only (replay and vote off) and
-   the default configuration, interleaved windows of K = 10 steps.
+   under DDP with NCCL at world size 1: plain DDP, per-step checks only (replay and vote off),
+   the same with every GEMM checked (`abft=True`, the checked-GEMM cost on a GPU) and the default
+   configuration, interleaved windows of K = 10 steps.
 Without CUDA it says so, runs its CPU-safe part (the Triton kernels under the interpreter against
 their specifications, when Triton is installed) and exits 0.
 
@@ -210,6 +211,7 @@ def steps_part(rounds: int) -> dict[str, Any]:
     variants: dict[str, sg.GuardConfig | None] = {
         "plain DDP": None,
         "per-step checks": sg.GuardConfig(replay_every=huge, vote_every=huge),
+        "per-step checks + abft": sg.GuardConfig(replay_every=huge, vote_every=huge, abft=True),
         "default": sg.GuardConfig(),
     }
     runners: dict[str, Any] = {}

@@ -222,6 +222,32 @@ def test_the_bound_scales_with_the_unit_roundoff_not_a_magic_constant() -> None:
     assert float(b32_20[0, 0] / b32[0, 0]) == pytest.approx(2.0, rel=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cast", [None, torch.bfloat16], ids=["float32", "bf16-autocast"])
+def test_checked_gemms_on_cuda_stay_on_the_device_and_flag_a_wrong_element(
+    cast: torch.dtype | None,
+) -> None:
+    """The CUDA path (torch ops, float64 sums on the device): clean GEMMs pass, the step's
+    result stays on the GPU until it is read once, and a wrong grad_W element is named."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 128)).cuda()
+    handle = attach(model)
+    x = torch.randn(4, 96, 256, device="cuda", requires_grad=True)
+
+    def step() -> list[tuple[str, str]]:
+        with torch.autocast("cuda", dtype=cast or torch.bfloat16, enabled=cast is not None):
+            y = model(x)
+        y.float().square().mean().backward()  # type: ignore[no-untyped-call]
+        worst = handle.collect()
+        assert worst is not None and worst.is_cuda
+        return [(f.layer, f.gemm_pass) for f in handle.findings(worst)]
+
+    assert step() == []
+    handle.inject(1, "grad_w", lambda out: out.view(-1)[3].mul_(-3.0).add_(1.0))
+    assert step() == [("2", "grad_w")]
+
+
 def test_half_precision_products_use_blocks_of_at_most_32_rows() -> None:
     """Their bound is the output rounding, which grows as sqrt(block): the float32 default of 64
     would loosen it by sqrt(2) where the checksum GEMM saves little."""
