@@ -197,17 +197,17 @@ def _rows(n: int, block: int, like: torch.Tensor) -> Rows:
     return out
 
 
-def _blocks(t: torch.Tensor, block: int) -> torch.Tensor:
-    """Sums of consecutive blocks of `block` rows of a 2-D tensor, in its own dtype; a ragged
-    last block is a block of its own."""
+def _blocks(t: torch.Tensor, block: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Sums of consecutive blocks of `block` rows of a 2-D tensor, accumulated in `dtype`
+    (default: its own); a ragged last block is a block of its own."""
     n, d = t.shape
     if n <= block:
-        return t.sum(0, keepdim=True)
+        return t.sum(0, keepdim=True, dtype=dtype)
     full = n // block
-    sums = t[: full * block].reshape(full, block, d).sum(1)
+    sums = t[: full * block].reshape(full, block, d).sum(1, dtype=dtype)
     if full * block == n:
         return sums
-    return torch.cat([sums, t[full * block :].sum(0, keepdim=True)])
+    return torch.cat([sums, t[full * block :].sum(0, keepdim=True, dtype=dtype)])
 
 
 def _row_sums(t: torch.Tensor, block: int) -> torch.Tensor:
@@ -216,10 +216,11 @@ def _row_sums(t: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def _checksums(t: torch.Tensor, block: int) -> torch.Tensor:
-    """The checksum rows of a 2-D tensor: its rows times their `signs`, summed per block of
-    `block` rows, in float64 (B, d)."""
-    t64 = t.double()
-    return _blocks(t64 * signs(t.shape[0], torch.float64, t.device)[:, None], block)
+    """The checksum rows of a 2-D tensor: its rows times their `signs` (exact in any float
+    dtype), summed per block of `block` rows in float64 (B, d). The reduction converts as it
+    reads: no float64 copy of the tensor (on CUDA this path is what runs)."""
+    signed = t * signs(t.shape[0], t.dtype, t.device)[:, None]
+    return _blocks(signed, block, torch.float64)
 
 
 def _col_checksums(t: torch.Tensor, block: int) -> torch.Tensor:
