@@ -22,7 +22,7 @@ from slurm_guard.abft import (
     residual_bound,
     roundoff,
 )
-from slurm_guard.abft.checked import HALF_BLOCK
+from slurm_guard.abft.checked import HALF_BLOCK, signs
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
 from slurm_guard.faults import FaultInjector, parse_faults
 from slurm_guard.local_launch import run_local
@@ -246,6 +246,17 @@ def test_checked_gemms_on_cuda_stay_on_the_device_and_flag_a_wrong_element(
     assert step() == []
     handle.inject(1, "grad_w", lambda out: out.view(-1)[3].mul_(-3.0).add_(1.0))
     assert step() == [("2", "grad_w")]
+
+
+def test_checksum_signs_cancel_a_common_offset_in_every_run_of_rows() -> None:
+    """Any run of consecutive rows holds about as many +1 as -1 (a Weyl sequence): a block of
+    rows sharing an offset sums it at most 4 times, where unsigned sums would add it 64 times."""
+    s = signs(200_000, torch.float64, torch.device("cpu"))
+    prefix = torch.cat([torch.zeros(1, dtype=torch.float64), s.cumsum(0)])
+    for run in (4, 32, 64, 4096):
+        assert float((prefix[run:] - prefix[:-run]).abs().max()) <= 4
+    assert set(s.unique().tolist()) == {-1.0, 1.0}
+    assert torch.equal(signs(1000, torch.float32, torch.device("cpu")), s[:1000].float())
 
 
 def test_half_precision_products_use_blocks_of_at_most_32_rows() -> None:
