@@ -16,16 +16,19 @@ on TinyGPT.
 
     python benchmarks/abft_cost.py            # 12 rounds
     python benchmarks/abft_cost.py --quick    # 4 rounds
-    python benchmarks/abft_cost.py --block 64 # checksum blocks of 64 rows
+    python benchmarks/abft_cost.py --block 32 # checksum blocks of 32 rows
+    python benchmarks/abft_cost.py --parts 10 # also: time inside each part of the checks
     SLURM_GUARD_NATIVE=0 python benchmarks/abft_cost.py   # the torch-op checks
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -98,12 +101,63 @@ def _runners(
     return runners, lambda m: loss_of(m), models["abft"]
 
 
+PARTS = {  # what each timed call is, in the C path's order
+    "stats": "operand passes (block sums, norms)",
+    "weight_norms": "weight norms",
+    "mm": "checksum GEMMs (torch.mm, MKL)",
+    "compare": "product passes",
+    "compare_transposed": "product passes (transposed weight gradient)",
+}
+
+
+@contextlib.contextmanager
+def _timed_parts(seconds: dict[str, float], calls: dict[str, int]) -> Iterator[None]:
+    """Wall time inside each C call of the checks and each checksum GEMM (`torch.mm`: the model's
+    own GEMMs go through F.linear and autograd, not through it), accumulated per name."""
+    targets = [(abft_native, name) for name in PARTS if name != "mm"] + [(torch, "mm")]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
+    for mod, name, fn in saved:
+
+        def timed(*args: Any, _fn: Callable[..., Any] = fn, _name: str = name) -> Any:
+            start = time.perf_counter()
+            try:
+                return _fn(*args)
+            finally:
+                seconds[_name] += time.perf_counter() - start
+                calls[_name] += 1
+
+        setattr(mod, name, timed)
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
+
+
+def parts(runner: Callable[[int], None], steps: int) -> dict[str, dict[str, float]]:
+    """Per step: milliseconds inside each part of the checks, and calls, over `steps` steps."""
+    seconds: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    runner(0)
+    with _timed_parts(seconds, calls):
+        for step in range(steps):
+            runner(step + 1)
+    return {
+        name: {"ms_per_step": 1e3 * seconds[name] / steps, "calls_per_step": calls[name] / steps}
+        for name in PARTS
+        if calls.get(name)
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4 rounds")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
-    parser.add_argument("--block", type=int, default=None, help="checksum block rows (default 32)")
+    parser.add_argument("--block", type=int, default=None, help="checksum block rows (default 64)")
+    parser.add_argument(
+        "--parts", type=int, default=0, help="also time each part of the checks over N steps"
+    )
     args = parser.parse_args()
     rounds = args.rounds or (4 if args.quick else 12)
     torch.set_num_threads(1)
@@ -137,6 +191,8 @@ def main() -> None:
                 "wall_s": wall[v],
             }
             rows.append([name, v, c * 1e3, c / base_cpu, w * 1e3, w / base_wall])
+        if args.parts:
+            entry["parts"] = parts(runners["abft"], args.parts)
         results[name] = entry
     print(
         f"one process, 1 thread, fp32 CPU, {rounds} rounds interleaved; TinyGPT {MODEL}, "
@@ -158,6 +214,15 @@ def main() -> None:
             f"({100 * cov['checked_fraction_without_attention']:.1f}% without attention "
             "score/value products)"
         )
+    for name, entry in results.items():
+        if "parts" in entry:
+            part_rows = [
+                [name, PARTS[k], v["calls_per_step"], v["ms_per_step"]]
+                for k, v in entry["parts"].items()
+            ]
+            total = sum(v["ms_per_step"] for v in entry["parts"].values())
+            part_rows.append([name, "total", "", total])
+            print("\n" + table(["model", "part", "calls per step", "ms per step"], part_rows))
     meta = {"rounds": rounds, "block": args.block or DEFAULT_BLOCK, "path": backend()}
     path = write_json("abft_cost", {**meta, "results": results}, args.json)
     print(f"wrote {path}", file=sys.stderr)
