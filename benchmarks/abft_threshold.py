@@ -10,6 +10,7 @@ Dtypes: float32, float64, and float16 / bfloat16 GEMMs under CPU autocast (float
 
     python benchmarks/abft_threshold.py              # blocks 32 and 64
     python benchmarks/abft_threshold.py --block 128  # other blocks
+    python benchmarks/abft_threshold.py --quick      # the two smaller shapes
 """
 
 from __future__ import annotations
@@ -70,14 +71,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block", type=int, action="append", help="checksum block rows")
     parser.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
+    parser.add_argument("--quick", action="store_true", help="the two smaller shapes only")
     args = parser.parse_args()
+    shapes = SHAPES[:2] if args.quick else SHAPES
     blocks = args.block or [32, 64]
     torch.set_num_threads(1)
     rows: list[list[Any]] = []
     results: list[dict[str, Any]] = []
     for dtype_name, (dtype, cast) in DTYPES.items():
         for offset in (False, True):
-            for n, k, p in SHAPES:
+            for n, k, p in shapes:
                 for block in blocks:
                     values = thresholds(n, k, p, block, dtype, cast, offset)
                     data = "|normal|" if offset else "normal"
