@@ -121,9 +121,8 @@ def test_stats_agree_with_torch_sums(n: int, d: int, block: int) -> None:
     magnitude_cols = torch.stack(
         [a64[:, j : j + block].abs().sum(1) for j in range(0, d, block)], 1
     )
-    # the C sums: float32 partial sums of SUM_GROUP terms (G - 1 roundings, each within u32 of
-    # the group's magnitudes) added in float64, rounded once to float32; the torch path's float64
-    # sums are the exact ones to float64 rounding
+    # both paths: float32 partial sums of SUM_GROUP terms (G - 1 roundings, each within u32 of
+    # the group's magnitudes) added in float64; the C sums are then rounded once to float32
     assert st.rows is not None and st.cols is not None
     u32 = 2.0**-24
     for got, exact, spec, magnitude in (
@@ -132,7 +131,7 @@ def test_stats_agree_with_torch_sums(n: int, d: int, block: int) -> None:
     ):
         allowed = u32 * exact.abs() + (SUM_GROUP - 1) * u32 * magnitude
         assert bool(((got.double() - exact).abs() <= allowed * 1.001).all())
-        assert torch.allclose(spec, exact, rtol=1e-12, atol=1e-12)
+        assert bool(((spec - exact).abs() <= allowed * 1.001).all())  # same model
     norms = st.norms
     a_sq = torch.stack([sq[i : i + block].sum() for i in range(0, n, block)])
     ca_sq = torch.stack([sq[:, j : j + block].sum() for j in range(0, d, block)])

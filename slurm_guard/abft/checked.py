@@ -31,7 +31,14 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
-from slurm_guard.abft.bounds import Factors, check_dtype, factors, residual_bound, roundoff
+from slurm_guard.abft.bounds import (
+    SUM_GROUP,
+    Factors,
+    check_dtype,
+    factors,
+    residual_bound,
+    roundoff,
+)
 from slurm_guard.kernels import abft_native as nk
 
 FWD, GRAD_X, GRAD_W = 0, 1, 2
@@ -217,10 +224,19 @@ def _row_sums(t: torch.Tensor, block: int) -> torch.Tensor:
 
 def _checksums(t: torch.Tensor, block: int) -> torch.Tensor:
     """The checksum rows of a 2-D tensor: its rows times their `signs` (exact in any float
-    dtype), summed per block of `block` rows in float64 (B, d). The reduction converts as it
-    reads: no float64 copy of the tensor (on CUDA this path is what runs)."""
-    signed = t * signs(t.shape[0], t.dtype, t.device)[:, None]
-    return _blocks(signed, block, torch.float64)
+    dtype), summed per block of `block` rows in float64 (B, d), in the summation model of the C
+    passes (`bounds.SUM_GROUP`): float32 partial sums of 4 consecutive rows, added in float64.
+    A quarter of the float64 work, and no float64 copy of the tensor (on CUDA this path is what
+    runs). Blocks that are not a whole number of groups are summed in float64 directly."""
+    n, d = t.shape
+    signed = t * signs(n, t.dtype, t.device)[:, None]
+    if block % SUM_GROUP or signed.dtype == torch.float64 or n < SUM_GROUP:
+        return _blocks(signed, block, torch.float64)
+    padded = -(-n // SUM_GROUP) * SUM_GROUP
+    if padded != n:  # zero rows: exact, and they stay inside the last block
+        signed = torch.nn.functional.pad(signed, (0, 0, 0, padded - n))
+    partial = signed.reshape(padded // SUM_GROUP, SUM_GROUP, d).sum(1, dtype=check_dtype(t.dtype))
+    return _blocks(partial, block // SUM_GROUP, torch.float64)
 
 
 def _col_checksums(t: torch.Tensor, block: int) -> torch.Tensor:
