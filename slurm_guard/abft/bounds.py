@@ -36,8 +36,8 @@ _U = {
     torch.float16: 2.0**-11,
 }
 TF32 = 2.0**-11  # TensorFloat-32 keeps 10 mantissa bits
-# The C passes (kernels/abft_check.c) form a block sum from float32 partial sums of at most this
-# many signed terms, added in float64 (the torch path sums in float64 throughout: fewer roundings)
+# Both check paths (kernels/abft_check.c and checked._checksums) form a block sum from float32
+# partial sums of at most this many signed terms, added in float64 (float64 GEMMs: all float64)
 SUM_GROUP = 4
 
 
@@ -230,7 +230,7 @@ def residual_bound(
     bias, the output) plus 2q input roundings, each at most u * rho with rho = ||a_i|| ||m_c|| +
     |beta_c| >= sum_l |a_il m_lc| + |beta_c| (Cauchy-Schwarz). Summing n_b rows of the block in
     float64 adds n_b - 1 roundings (at most u64) of partial sums no larger than sum_i rho_i (both
-    checksum sums: output and A). Inside those, the C passes form float32 partial sums of
+    checksum sums: output and A). Inside those, both paths form float32 partial sums of
     G = SUM_GROUP terms: G - 1 roundings per group, each at most u32 times the group's sum of
     magnitudes, so with Cauchy-Schwarz inside a group their squares sum to at most (G - 1) G u32^2
     times the block's sum of squared terms: a_sq ||m_c||^2 on the operand side (through the
