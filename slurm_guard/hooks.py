@@ -9,8 +9,9 @@ run's seed and the element index: nothing stored, no temporary), and the bucket'
 - averaging conserves it: the mean over ranks of s(g_local) must equal s(g_averaged) up to the
   rounding of the reduction, which the L1 norms bound (see `verdicts.conservation_bound`).
 After the all-reduce, the sketch of the averaged bucket, by the same pass without the L1 norm
-(`l1=False`, a quarter less kernel work): the bound needs only the local norms, since the
-averaged bucket's norm is at most their mean. On verification steps
+(`l1=False`, a quarter less kernel work) and fused with the division by the world size (one read
+of the bucket for both): the bound needs only the local norms, since the averaged bucket's norm
+is at most their mean. On verification steps
 also the exact fingerprint of each parameter's local gradient (the reduction overwrites the
 buffer).
 
@@ -31,7 +32,7 @@ from torch._C._distributed_c10d import GradBucket  # the class DDP compares agai
 
 from slurm_guard.fingerprint import Fingerprinter
 from slurm_guard.kernels.bucket import bucket_check
-from slurm_guard.kernels.sketch import seed_words, sign_bits
+from slurm_guard.kernels.sketch import divide, seed_words, sign_bits
 
 PRE_DIVIDED = (torch.float16, torch.bfloat16)  # as DDP's default allreduce hook
 
@@ -99,9 +100,10 @@ def param_sketch(signs: SignVectors, grad: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _sketch(state: HookState, buffer: torch.Tensor) -> torch.Tensor:
-    """The bucket's sketch alone (float64 scalar on its device), by the fused kernel."""
-    return bucket_check(buffer, state.signs.words, l1=False)[0]
+def _sketch(state: HookState, buffer: torch.Tensor, divisor: int) -> torch.Tensor:
+    """The averaged bucket's sketch alone (float64 scalar on its device), after dividing the
+    bucket in place by `divisor`: one read of the bucket for both where the kernel fuses them."""
+    return bucket_check(buffer, state.signs.words, l1=False, divide_by=divisor)[0]
 
 
 # No `from __future__ import annotations` in this module: DDP inspects the hook's signature and
@@ -132,13 +134,16 @@ def guard_comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Futur
 
     def average(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         reduced = fut.value()[0]
-        if not pre_divide:
-            reduced.div_(state.world_size)
-        if state.active:
-            if state.corrupt_reduced is not None:
-                state.corrupt_reduced(reduced, index)
-            # keyed by bucket: callbacks may finish in any order, the total must not depend on it
-            state.reduced_sketches[index] = _sketch(state, reduced)
+        divisor = 1 if pre_divide else state.world_size
+        if not state.active:
+            divide(reduced, divisor)
+            return reduced
+        if state.corrupt_reduced is not None:  # fault injection: corrupt the averaged values
+            divide(reduced, divisor)
+            state.corrupt_reduced(reduced, index)
+            divisor = 1
+        # keyed by bucket: callbacks may finish in any order, the total must not depend on it
+        state.reduced_sketches[index] = _sketch(state, reduced, divisor)
         return reduced
 
     return work.get_future().then(average)  # type: ignore[no-any-return]

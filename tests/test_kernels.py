@@ -96,6 +96,76 @@ def test_sketch_only_variant_does_not_depend_on_the_thread_count() -> None:
     assert runs == {tuple(_bits(sk.reference_check(x, WORDS, l1=False)))}
 
 
+def _quotient_input(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """Values across the exponent range, subnormal quotients and a signed zero included."""
+    g = torch.Generator().manual_seed(n + 17)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp(
+        torch.randn(n, generator=g, dtype=torch.float64) * 12
+    )
+    x = x.to(dtype)
+    if n > 3:
+        x[1] = torch.finfo(dtype).tiny * 3  # a subnormal quotient
+        x[2] = -0.0
+    return x
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", sk.DIVIDABLE)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("divisor", [2, 3, 6, 8, 1000])
+def test_fused_division_gives_the_quotient_and_its_sketch(
+    dtype: torch.dtype, n: int, divisor: int
+) -> None:
+    """divide_by (the averaged bucket): the bucket holds the IEEE quotient, as torch's division
+    leaves it, and the result is the spec's sketch of that quotient, on one thread and several."""
+    x = _quotient_input(n, dtype)
+    expected = x.clone()
+    sk.divide(expected, divisor)
+    assert torch.equal(expected.view(-1), (x.double() / divisor).to(dtype))  # IEEE: one rounding
+    spec = _bits(sk.reference_check(expected, WORDS, l1=False))
+    kernel = sk.native()
+    assert kernel is not None
+    for threads in (1, 3):
+        got = x.clone()
+        out = sk.native_check(kernel, got, WORDS, threads, l1=False, divide_by=divisor)
+        assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        assert _bits(out) == spec
+    got = x.clone()
+    assert _bits(kb.bucket_check(got, WORDS, l1=False, divide_by=divisor)) == spec
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+
+
+@needs_native
+def test_fused_division_splits_over_threads_without_dividing_twice() -> None:
+    x = torch.randn(3_000_000 + 123, generator=torch.Generator().manual_seed(6))
+    expected = x / 3
+    kernel = sk.native()
+    assert kernel is not None
+    for threads in (1, 2, 7):
+        got = x.clone()
+        out = sk.native_check(kernel, got, WORDS, threads, l1=False, divide_by=3)
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+        assert _bits(out) == _bits(sk.reference_check(expected, WORDS, l1=False))
+
+
+def test_division_refuses_what_it_cannot_do_exactly() -> None:
+    with pytest.raises(ValueError, match="outside"):
+        sk.divide(torch.ones(4), 0)
+    with pytest.raises(ValueError, match="outside"):
+        sk.divide(torch.ones(4), sk.MAX_DIVISOR + 1)
+    kernel = sk.native()
+    if kernel is not None:
+        with pytest.raises(ValueError, match="contiguous float32 or float64"):
+            sk.native_check(kernel, torch.ones(8, dtype=torch.float16), WORDS, divide_by=2)
+        with pytest.raises(ValueError, match="contiguous float32 or float64"):
+            sk.native_check(kernel, torch.ones(8, 2)[:, 0], WORDS, divide_by=2)
+    # bucket_check falls back to the torch division for what the kernels do not fuse
+    half = torch.full((5000,), 3.0, dtype=torch.float16)
+    out = kb.bucket_check(half, WORDS, l1=False, divide_by=2)
+    assert torch.equal(half, torch.full((5000,), 1.5, dtype=torch.float16))
+    assert _bits(out) == _bits(sk.reference_check(half, WORDS, l1=False))
+
+
 def test_specification_is_the_sketch_and_norm_it_claims() -> None:
     """S = <x, r> with r = +-1 from sign_bits, A = ||x||_1: close to float64 dot products."""
     x = torch.randn(50_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)

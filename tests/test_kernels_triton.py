@@ -124,6 +124,24 @@ def test_triton_sketch_only_variant_is_bit_identical(
 
 
 @pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", CHECK_SIZES)
+@pytest.mark.parametrize("divisor", [3, 8])
+def test_triton_fused_division_is_bit_identical(
+    device: str, dtype: torch.dtype, n: int, divisor: int
+) -> None:
+    """divide_by, as the hook runs it on the averaged bucket: the bucket holds the IEEE quotient
+    and the output is the spec's sketch of it."""
+    x = (torch.randn(n, generator=torch.Generator().manual_seed(n)) * 7).to(dtype)
+    expected = x.clone()
+    sk.divide(expected, divisor)
+    got = x.to(device)
+    out = tk.triton_check(got, WORDS, l1=False, divide_by=divisor)
+    assert torch.equal(got.cpu().view(torch.uint8), expected.view(torch.uint8))
+    assert _bits(out) == _bits(sk.reference_check(expected, WORDS, l1=False))
+
+
+@pytest.mark.parametrize("device", _devices())
 def test_triton_sketch_only_variant_flags_nonfinite_and_huge_path(
     device: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,12 @@
  * local buckets' L1 norms): about a quarter less arithmetic, the same S bits, A reported as 0.0
  * and the flag taken from S instead (non-finite iff some element is, for 16/32-bit inputs).
  *
+ * divisor > 1 (float32/float64 only) first divides each chunk in place, IEEE division, then
+ * checks it while it is still in L1: the averaged bucket's division by the world size and its
+ * sketch share one read of the bucket instead of two. A power-of-two divisor is applied as a
+ * multiplication by its exact reciprocal: one correctly rounded operation on the same exact
+ * quotient, so the same bits as the division.
+ *
  * Built by slurm_guard/kernels/native.py; CI compiles it with -Wall -Wextra -Werror. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -197,15 +203,37 @@ static int elem_size(int dtype) {
     }
 }
 
+/* x[0..m) /= divisor in place, IEEE division (divisor exact in the type: <= 2^24). */
+static void divide_in_place(void *p, int dtype, int64_t m, int64_t divisor) {
+    int pow2 = (divisor & (divisor - 1)) == 0;
+    if (dtype == DT_F32) {
+        float *x = (float *)p, d = (float)divisor, r = 1.0f / d;
+        if (pow2)
+            for (int64_t i = 0; i < m; i++) x[i] *= r;
+        else
+            for (int64_t i = 0; i < m; i++) x[i] /= d;
+    } else {
+        double *x = (double *)p, d = (double)divisor, r = 1.0 / d;
+        if (pow2)
+            for (int64_t i = 0; i < m; i++) x[i] *= r;
+        else
+            for (int64_t i = 0; i < m; i++) x[i] /= d;
+    }
+}
+
 /* Chunks [c_begin, c_end) of an n-element bucket: sketch partials to ps[c], L1 partials to
- * pa[c] (with_l1 only; pa may be NULL otherwise). The last chunk, if partial, is copied into a
- * zero-padded buffer first. Threads may run disjoint chunk ranges concurrently. */
-INLINE void check_chunks(const void *data, int dtype, int size, int64_t n, int64_t c_begin,
+ * pa[c] (with_l1 only; pa may be NULL otherwise), each chunk divided in place first when
+ * divisor > 1. The last chunk, if partial, is copied into a zero-padded buffer first. Threads
+ * may run disjoint chunk ranges concurrently. */
+INLINE void check_chunks(void *data, int dtype, int size, int64_t n, int64_t c_begin,
                          int64_t c_end, uint32_t s0, uint32_t s1, double *ps, double *pa,
-                         const int with_l1) {
+                         const int with_l1, int64_t divisor) {
     for (int64_t c = c_begin; c < c_end; c++) {
         int64_t first = c * CHUNK;
         const void *p = (const char *)data + first * size;
+        if (divisor > 1 && n > first)
+            divide_in_place((char *)data + first * size, dtype, n - first < CHUNK ? n - first : CHUNK,
+                            divisor);
         uint64_t tail[CHUNK]; /* 8-byte elements at most */
         if (first + CHUNK > n) {
             memset(tail, 0, sizeof tail);
@@ -228,15 +256,18 @@ INLINE void check_chunks(const void *data, int dtype, int size, int64_t n, int64
     }
 }
 
-/* check_chunks with a run-time with_l1; returns 0, or -1 for an unknown dtype. */
-int sg_check_chunks(const void *data, int dtype, int64_t n, int64_t c_begin, int64_t c_end,
-                    uint32_t s0, uint32_t s1, double *ps, double *pa, int with_l1) {
+/* check_chunks with a run-time with_l1; returns 0, -1 for an unknown dtype, -3 for a divisor
+ * outside [1, 2^24] or with a 16-bit dtype (those buckets are divided before the reduction). */
+int sg_check_chunks(void *data, int dtype, int64_t n, int64_t c_begin, int64_t c_end,
+                    uint32_t s0, uint32_t s1, double *ps, double *pa, int with_l1,
+                    int64_t divisor) {
     int size = elem_size(dtype);
     if (size == 0) return -1;
+    if (divisor < 1 || divisor > (1 << 24) || (divisor > 1 && size == 2)) return -3;
     if (with_l1)
-        check_chunks(data, dtype, size, n, c_begin, c_end, s0, s1, ps, pa, 1);
+        check_chunks(data, dtype, size, n, c_begin, c_end, s0, s1, ps, pa, 1, divisor);
     else
-        check_chunks(data, dtype, size, n, c_begin, c_end, s0, s1, ps, pa, 0);
+        check_chunks(data, dtype, size, n, c_begin, c_end, s0, s1, ps, pa, 0, divisor);
     return 0;
 }
 
@@ -256,8 +287,8 @@ void sg_check_finish(double *ps, double *pa, int64_t padded, double *out, int wi
 
 /* The whole check in one call (one thread). scratch: 2 * padded doubles (padded without
  * with_l1). */
-int sg_check(const void *data, int dtype, int64_t n, uint32_t s0, uint32_t s1, double *scratch,
-             int64_t padded, double *out, int with_l1) {
+int sg_check(void *data, int dtype, int64_t n, uint32_t s0, uint32_t s1, double *scratch,
+             int64_t padded, double *out, int with_l1, int64_t divisor) {
     int64_t nchunks = n > 0 ? (n + CHUNK - 1) / CHUNK : 1;
     if (padded < nchunks) return -2;
     double *ps = scratch, *pa = with_l1 ? scratch + padded : NULL;
@@ -265,7 +296,7 @@ int sg_check(const void *data, int dtype, int64_t n, uint32_t s0, uint32_t s1, d
         ps[i] = 0.0;
         if (with_l1) pa[i] = 0.0;
     }
-    int rc = sg_check_chunks(data, dtype, n, 0, nchunks, s0, s1, ps, pa, with_l1);
+    int rc = sg_check_chunks(data, dtype, n, 0, nchunks, s0, s1, ps, pa, with_l1, divisor);
     if (rc != 0) return rc;
     sg_check_finish(ps, pa, padded, out, with_l1);
     return 0;

@@ -23,6 +23,9 @@ already bound): A is not formed (a quarter of the arithmetic), S has the same bi
 output is [S, 0.0, nonfinite] with nonfinite = 1.0 when S is NaN or infinite (for
 float32/float16/bfloat16 inputs again iff some element is: signing is exact and the float64 sum
 cannot overflow).
+Divided (`divide_by` = the world size, for the averaged float32/float64 bucket): the bucket is
+first divided in place by IEEE division (`divide`), then checked as above; the C and Triton
+kernels divide each chunk and check it in one read of the bucket.
 The order does not depend on threads or devices, so the averaged bucket's sketch has the same
 bits on every rank that holds the same averaged bucket, whichever implementation each rank runs
 (C, torch, Triton) and however many threads it uses: the cross-rank comparison is safe.
@@ -55,6 +58,8 @@ C_SOURCE = "bucket_check.c"
 _PARALLEL_MIN_ELEMENTS = 2 << 20  # below this, one thread (pool dispatch costs ~0.1 ms)
 _SEED_TAG = b"slurm-guard sketch signs v1"
 DTYPES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
+DIVIDABLE = (torch.float32, torch.float64)  # 16-bit buckets are divided before the reduction
+MAX_DIVISOR = 1 << 24  # exact in float32: the in-place division is one IEEE operation
 _MASK32 = 0xFFFFFFFF
 _SIGN_SLAB_WORDS = 1 << 16  # 2M signs per slab: 16 MiB of int64 temporaries
 
@@ -135,6 +140,16 @@ def reference_check(
     return torch.cat([totals, nonfinite])
 
 
+def divide(bucket: torch.Tensor, divisor: int) -> None:
+    """bucket /= divisor in place, IEEE division on every device: by a 0-dim tensor of the
+    bucket's dtype on its device (no host sync), because a Python scalar divisor lets CUDA
+    multiply by a rounded reciprocal instead."""
+    if not 1 <= divisor <= MAX_DIVISOR:
+        raise ValueError(f"divisor {divisor} is outside [1, {MAX_DIVISOR}]")
+    if divisor > 1:
+        bucket.div_(torch.full((), divisor, dtype=bucket.dtype, device=bucket.device))
+
+
 # ---------------------------------------------------------------------------- native kernel
 
 
@@ -142,10 +157,10 @@ class _Native:
     def __init__(self, lib: ctypes.CDLL) -> None:
         p, i64, u32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_int
         self.check = lib.sg_check
-        self.check.argtypes = [p, i32, i64, u32, u32, p, i64, p, i32]
+        self.check.argtypes = [p, i32, i64, u32, u32, p, i64, p, i32, i64]
         self.check.restype = ctypes.c_int
         self.chunks = lib.sg_check_chunks
-        self.chunks.argtypes = [p, i32, i64, i64, i64, u32, u32, p, p, i32]
+        self.chunks.argtypes = [p, i32, i64, i64, i64, u32, u32, p, p, i32, i64]
         self.chunks.restype = ctypes.c_int
         self.finish = lib.sg_check_finish
         self.finish.argtypes = [p, p, i64, p, i32]
@@ -163,9 +178,16 @@ def native_check(
     threads: int | None = None,
     *,
     l1: bool = True,
+    divide_by: int = 1,
 ) -> torch.Tensor:
-    """The C kernel on a CPU tensor of a supported dtype; same bits as `reference_check`."""
+    """The C kernel on a CPU tensor of a supported dtype; same bits as `reference_check`.
+
+    divide_by > 1: divides the bucket in place first (float32/float64, contiguous), in the same
+    read; the bits of `divide(bucket, divide_by)` followed by `reference_check`.
+    """
     data = bucket.detach()
+    if divide_by > 1 and not (data.is_contiguous() and data.dtype in DIVIDABLE):
+        raise ValueError("in-place division needs a contiguous float32 or float64 bucket")
     if not data.is_contiguous():
         data = data.contiguous()
     n = data.numel()
@@ -178,7 +200,9 @@ def native_check(
     s0, s1 = words
     if n < _PARALLEL_MIN_ELEMENTS or workers <= 1:
         scratch = (ctypes.c_double * (rows * padded))()
-        rc = kernel.check(ptr, dtype, n, s0, s1, scratch, padded, out.data_ptr(), int(l1))
+        rc = kernel.check(
+            ptr, dtype, n, s0, s1, scratch, padded, out.data_ptr(), int(l1), divide_by
+        )
     else:
         partials = torch.zeros(rows, padded, dtype=torch.float64)
         ps, pa = partials[0].data_ptr(), (partials[1].data_ptr() if l1 else None)
@@ -186,7 +210,7 @@ def native_check(
 
         def part(i: int) -> int:
             lo, hi = bounds[i], bounds[i + 1]
-            return int(kernel.chunks(ptr, dtype, n, lo, hi, s0, s1, ps, pa, int(l1)))
+            return int(kernel.chunks(ptr, dtype, n, lo, hi, s0, s1, ps, pa, int(l1), divide_by))
 
         rc = max(_kernels.thread_pool(workers).map(part, range(workers)))
         kernel.finish(ps, pa, padded, out.data_ptr(), int(l1))

@@ -91,10 +91,12 @@ def _kernels() -> dict[str, Any]:
         m2_arg,
         ps_ptr,
         pa_ptr,
+        divisor,
         SPAN: tl.constexpr,
         LOG2_SPAN: tl.constexpr,
         IS_F64: tl.constexpr,
         WITH_L1: tl.constexpr,
+        DIVIDE: tl.constexpr,
     ):
         c = tl.program_id(0).to(tl.int64)
         s0 = s0_arg.to(tl.uint32)
@@ -105,6 +107,12 @@ def _kernels() -> dict[str, Any]:
         i = tl.arange(0, SPAN)[None, :].to(tl.int64)
         e = c * (8 * SPAN) + k * SPAN + i  # [8, SPAN] element indices of this chunk
         raw = tl.load(x_ptr + e, mask=e < n, other=0.0)
+        if DIVIDE:  # in place, IEEE division: float32 `/` may be approximate on GPUs
+            if IS_F64:
+                raw = raw / divisor.to(tl.float64)  # float64 division is always div.rn
+            else:
+                raw = tl.math.div_rn(raw, divisor.to(tl.float32))
+            tl.store(x_ptr + e, raw, mask=e < n)
         if IS_F64:  # noqa: SIM108  (an if statement on a constexpr: what Triton compiles)
             v = raw
         else:  # via float32: exact for fp16/bf16, and every backend converts those to fp32
@@ -194,14 +202,23 @@ def _on(device: torch.device) -> contextlib.AbstractContextManager[object]:
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
-def triton_check(bucket: torch.Tensor, words: tuple[int, int], *, l1: bool = True) -> torch.Tensor:
+def triton_check(
+    bucket: torch.Tensor, words: tuple[int, int], *, l1: bool = True, divide_by: int = 1
+) -> torch.Tensor:
     """float64 [S, A, nonfinite] of a bucket on its device: the bits of `sketch.reference_check`
-    (l1=False: its sketch-only variant)."""
+    (l1=False: its sketch-only variant). divide_by > 1: the bucket (float32/float64, contiguous)
+    is divided in place first, in the same read, as `sketch.divide` would."""
     with _on(bucket.device):
-        return _triton_check(bucket, words, l1)
+        return _triton_check(bucket, words, l1, divide_by)
 
 
-def _triton_check(bucket: torch.Tensor, words: tuple[int, int], l1: bool) -> torch.Tensor:
+def _triton_check(
+    bucket: torch.Tensor, words: tuple[int, int], l1: bool, divide_by: int
+) -> torch.Tensor:
+    if divide_by > 1 and not (bucket.is_contiguous() and bucket.dtype in _sketch.DIVIDABLE):
+        raise ValueError("in-place division needs a contiguous float32 or float64 bucket")
+    if not 1 <= divide_by <= _sketch.MAX_DIVISOR:
+        raise ValueError(f"divisor {divide_by} is outside [1, {_sketch.MAX_DIVISOR}]")
     x = bucket.detach().reshape(-1)
     if not x.is_contiguous():
         x = x.contiguous()
@@ -221,10 +238,12 @@ def _triton_check(bucket: torch.Tensor, words: tuple[int, int], l1: bool) -> tor
         _sketch.MIX_M2,
         partials[0],
         pa,
+        divide_by,
         SPAN=span,
         LOG2_SPAN=span.bit_length() - 1,
         IS_F64=x.dtype == torch.float64,
         WITH_L1=l1,
+        DIVIDE=divide_by > 1,
     )
     if fused_finish:  # one more launch instead of ~log2(chunks) elementwise torch ops
         out = torch.empty(3, dtype=torch.float64, device=x.device)
