@@ -21,12 +21,14 @@ import torch
 from torch import nn
 
 from slurm_guard.errors import GuardError
+from slurm_guard.kernels.bucket import bucket_check
 
 if TYPE_CHECKING:
     from slurm_guard.collective import Collective
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+ANY_SIGNS = (0, 0)  # sign-hash words for `any_nonfinite`: only the kernel's finite flag is read
 
 
 class Microbatches(list[Any]):
@@ -248,9 +250,19 @@ def recompute(
         finally:
             _replaying = False
     total_loss = combined_loss(losses)
-    total = sum((g.sum(dtype=torch.float64) for g in grads), torch.zeros((), dtype=torch.float64))
-    nonfinite = not bool(torch.isfinite(total + total_loss.double()).item())
-    return ReplayOutput(loss=total_loss, grads=grads, nonfinite=nonfinite)
+    return ReplayOutput(loss=total_loss, grads=grads, nonfinite=any_nonfinite(total_loss, grads))
+
+
+def any_nonfinite(loss: torch.Tensor, grads: Sequence[torch.Tensor]) -> bool:
+    """Whether the loss or any gradient element is NaN or infinite, in one device-to-host copy.
+
+    Each gradient's flag comes from the hook's fused kernel in its sketch-only form (exact: a
+    float64 sum of signed float32/16 values is non-finite iff an element is), at the speed of a
+    float32 read; a float64-accumulating `sum` was ~28 ms of each 25 MB replay on CPU.
+    """
+    flags = [bucket_check(g, ANY_SIGNS, l1=False)[2] for g in grads]
+    flags.append((~torch.isfinite(loss.detach())).to(torch.float64).reshape(()))
+    return bool(torch.stack(flags).any().item())
 
 
 def combined_loss(losses: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 import slurm_guard as sg
 from slurm_guard.faults import parse_faults
 from slurm_guard.guard import check_run_dir
-from slurm_guard.replay import Captured, pack, unpack
+from slurm_guard.replay import Captured, any_nonfinite, pack, unpack
 
 
 @pytest.mark.parametrize(
@@ -112,3 +112,20 @@ def test_random_schedule_has_the_same_expected_cost_and_depends_on_the_seed() ->
     assert picked != [s for s in steps if s % 10 == 0]
     assert picked != [s for s in steps if config.is_replay_step(s, seed=43)]
     assert picked == [s for s in steps if config.is_replay_step(s, seed=42)]  # every rank agrees
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_replay_nonfinite_flag_sees_one_element_and_only_that(dtype: torch.dtype) -> None:
+    """The replay's finite check: one NaN or Inf anywhere (past the first chunk, in a later
+    tensor) or in the loss; large finite values whose float32 sum would overflow are finite
+    (float64 gradients: up to where their float64 sum overflows, as in the hook's flag)."""
+    loss = torch.tensor(1.5)
+    big = 1e300 if dtype == torch.float64 else torch.finfo(dtype).max
+    grads = [torch.randn(3, 5).to(dtype), torch.full((9000,), big, dtype=dtype)]
+    assert not any_nonfinite(loss, grads)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        grads[1][7777] = bad
+        assert any_nonfinite(loss, grads)
+        grads[1][7777] = big
+    assert any_nonfinite(torch.tensor([float("nan")]), grads)
+    assert not any_nonfinite(loss, [])
