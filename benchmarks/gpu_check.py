@@ -123,6 +123,18 @@ def identity_part(quick: bool) -> dict[str, Any]:
                 a, b = kb.bucket_check(t.cuda(), words).cpu(), kb.bucket_check(t, words)
                 if not torch.equal(a.view(torch.int64), b.view(torch.int64)):
                     mismatches.append(f"bucket check n={n} {dtype}: {a.tolist()} {b.tolist()}")
+            if dtype == torch.float32:  # the averaged bucket: divided in place, then sketched
+                for divisor in (3, 8):
+                    cases += 1
+                    on_gpu, on_cpu = t.cuda(), t.clone()
+                    a = kb.bucket_check(on_gpu, words, l1=False, divide_by=divisor).cpu()
+                    b = kb.bucket_check(on_cpu, words, l1=False, divide_by=divisor)
+                    same_sketch = torch.equal(a.view(torch.int64), b.view(torch.int64))
+                    if not (
+                        same_sketch
+                        and torch.equal(on_gpu.cpu().view(torch.int32), on_cpu.view(torch.int32))
+                    ):
+                        mismatches.append(f"divided bucket check n={n} / {divisor}")
     return {
         "ok": not mismatches,
         "cases": cases,
