@@ -57,12 +57,15 @@ exit $rc
 
 
 def _process_start_time() -> float:
-    """When this process was created (from /proc: boot time + start ticks), 10 ms resolution."""
-    with open("/proc/stat", encoding="utf-8") as f:
-        boot = next(float(ln.split()[1]) for ln in f if ln.startswith("btime"))
+    """When this process was created, 10 ms resolution: its age (/proc/uptime minus its start
+    ticks) subtracted from the clock now. Not /proc/stat's btime, which is whole seconds and put
+    this mark up to a second off (a negative "batch script -> process created" interval)."""
+    now = time.time()
+    with open("/proc/uptime", encoding="utf-8") as f:
+        uptime = float(f.read().split()[0])
     with open("/proc/self/stat", encoding="utf-8") as f:
         ticks = float(f.read().rsplit(")", 1)[1].split()[19])
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
+    return now - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def task(argv: list[str]) -> int:
