@@ -15,9 +15,11 @@ the checks' communication is timed with the guard's own code paths and tensor si
 * bucket check: the comm hook's fused kernel (`kernels.bucket.bucket_check`: sketch, L1 norm and
   finite flag in one pass) on the local bucket, and again (its sketch) on the averaged bucket, of
   the model's gradient size (local compute only: its numbers ride in the verdict gather's row);
-* the O(1) alternative (not implemented in the guard): two all-reduces of a few int64
-  (SUM of counts/flags/sketch terms, MAX of [x, -x] for min/max agreement), with an all-gather
-  only after a failed fast path.
+* the per-step fast path: `Collective.sum_and_max`, the round `Verifier.check_step` runs on a
+  step without replay instead of the verdict gather: one SUM all-reduce of 4 float64 (flag
+  counts, local sketch, L1) and one MAX all-reduce of 3 int64 (averaged sketch bits and their
+  complement, for min/max agreement; the largest checked-GEMM ratio), one host read; the row
+  gather runs only after it fails, to attribute.
 
 Bytes per rank are computed from the code paths (ring all-gather: W-1 blocks sent and received
 per rank, gloo and NCCL alike). The Python that decodes and judges the gathered rows (O(W) per
@@ -65,12 +67,12 @@ I64 = 8
 ASSUMED_HOP_S = 5e-6  # a typical inter-node small-message latency; NOT measured here
 WATCHDOG_S = 300.0  # GuardConfig's default: the arrival check is on in every guarded run
 STORE_REQUESTS = 4  # per rank and round: set, add, wait, get (the last arriver also compare_set)
-# O(1) alternative: SUM of [local non-finite, reduced non-finite, replay mismatches, local
-# sketch, local L1] (the float64 terms as a second float64 all-reduce in practice; 5 words in
-# all) and MAX of [reduced sketch, -reduced sketch, reduced grad fp, -reduced grad fp] (min/max
-# agreement in one call). Vote: MAX of [fp, -fp]. (Today's row also carries a replay-failed flag
-# and the checked GEMMs' worst ratio: one more SUM and one more MAX word; not counted here.)
-ALT_SUM_WORDS, ALT_MAX_WORDS, ALT_VOTE_WORDS = 5, 4, 2
+# The per-step fast path (`Verifier._fast_step_passes`): SUM of [ranks with a non-finite local
+# value, ranks with a non-finite averaged value, local sketch, local L1] in float64 and MAX of
+# [averaged sketch bits, their complement, worst checked-GEMM ratio bits] in int64. Steps with a
+# replay still gather rows (they compare fingerprints rank by rank). The vote as MAX of
+# [fp, ~fp] (2 words) is not built: the vote is still a gather.
+ALT_SUM_WORDS, ALT_MAX_WORDS, ALT_VOTE_WORDS = 4, 3, 2
 CHECKS = (
     "verdict gather",
     "watchdog arrival",
@@ -104,14 +106,11 @@ def _verifier(
     )
 
 
-def _alt_allreduce(sum_words: int, max_words: int) -> None:
-    """The O(1) alternative's fast path: one SUM and one MAX all-reduce of a few int64."""
-    s = torch.zeros(sum_words, dtype=torch.int64)
-    dist.all_reduce(s, op=dist.ReduceOp.SUM)
-    m = torch.zeros(max_words, dtype=torch.int64)
-    dist.all_reduce(m, op=dist.ReduceOp.MAX)
-    s.tolist()
-    m.tolist()
+def _fast_path(comm: Collective) -> None:
+    """The per-step fast path's round, through the guard's own code (`Collective.sum_and_max`)."""
+    sums = torch.zeros(ALT_SUM_WORDS, dtype=torch.float64, device=comm.device)
+    maxima = torch.zeros(ALT_MAX_WORDS, dtype=torch.int64, device=comm.device)
+    comm.sum_and_max(sums, maxima, torch.zeros(1, dtype=torch.int64, device=comm.device))
 
 
 def _worker(rounds: int) -> dict[str, Any]:
@@ -145,7 +144,7 @@ def _worker(rounds: int) -> dict[str, Any]:
         "weight vote": lambda: verifier.vote(0, torch.tensor([0, rank], device=comm.device)),
         "ring replay exchange": lambda: exchange(pairs, captured, rank, comm),
         "bucket check": check,
-        "alt: all-reduce SUM+MAX": lambda: _alt_allreduce(ALT_SUM_WORDS, ALT_MAX_WORDS),
+        "step fast path (SUM+MAX)": lambda: _fast_path(comm),
         "barrier (floor)": lambda: dist.barrier(),
     }
     times: dict[str, list[float]] = {name: [] for name in ops}
@@ -322,7 +321,7 @@ def main() -> None:
         for check in CHECKS:
             rows.append([world, check, b[check]["sent"], med[check] * 1e6])
         rows.append(
-            [world, "alt: all-reduce SUM+MAX", "< 144", med["alt: all-reduce SUM+MAX"] * 1e6]
+            [world, "step fast path (SUM+MAX)", "< 112", med["step fast path (SUM+MAX)"] * 1e6]
         )
         rows.append([world, "barrier (floor)", "-", med["barrier (floor)"] * 1e6])
 
@@ -335,7 +334,7 @@ def main() -> None:
             "verdict gather",
             "watchdog arrival",
             "weight vote",
-            "alt: all-reduce SUM+MAX",
+            "step fast path (SUM+MAX)",
             "barrier (floor)",
         )
     }
@@ -343,7 +342,7 @@ def main() -> None:
     big = bytes_per_rank(TARGET_W, payload)
     base = measured[min(worlds)]["median_s"]
     hop_here = base["verdict gather"] / (min(worlds) - 1)
-    ar_here = base["alt: all-reduce SUM+MAX"] / 2  # two all-reduces per call
+    ar_here = base["step fast path (SUM+MAX)"] / 2  # two all-reduces per call
     # rank 0's store serves STORE_REQUESTS per rank and round, one after another
     request_here = base["watchdog arrival"] / (STORE_REQUESTS * min(worlds))
     store_requests = STORE_REQUESTS * TARGET_W
@@ -353,7 +352,7 @@ def main() -> None:
         "world": TARGET_W,
         "bytes_sent_per_rank": {k: v["sent"] for k, v in big.items()},
         "alt_bytes_sent_per_rank": {
-            "step (SUM 5 + MAX 4 int64)": alt_bytes_per_rank(ALT_SUM_WORDS + ALT_MAX_WORDS),
+            "step (SUM 4 float64 + MAX 3 int64)": alt_bytes_per_rank(ALT_SUM_WORDS + ALT_MAX_WORDS),
             "vote (MAX 2 int64)": alt_bytes_per_rank(ALT_VOTE_WORDS),
         },
         "ring_allgather_hops": ring_hops,
@@ -424,8 +423,8 @@ def main() -> None:
             "same",
         ],
         [
-            "alt: all-reduce SUM 5 + MAX 4 int64",
-            "<= 144 B ring, <= 216 B tree",
+            "step fast path: SUM 4 float64 + MAX 3 int64",
+            "<= 112 B ring, <= 168 B tree",
             f"O(1) B, {tree_hops} hops each",
             f"{alt_s['at_measured_hop'] * ms:.0f} ms",
             f"{alt_s['at_assumed_hop'] * ms:.2f} ms",

@@ -71,6 +71,12 @@ class GuardConfig:
             seconds (and at most half of `watchdog_seconds`), a rank on another node once, and
             the alarm records how many repeats reproduced the wrong result (`evidence.triage`):
             persistent or transient. The other ranks wait meanwhile. 0 turns it off.
+        fast_path_world: from this world size on, a step without replay is judged from two
+            all-reduces of a few values (O(log W) latency on tree algorithms) instead of a
+            gather of every rank's row (O(W) latency and O(W) Python per step, ~80 ms at 8,192
+            ranks); the rows are gathered only when the fast path finds something, to attribute
+            it. Below it the gather is cheaper: on gloo at 2-8 ranks two tiny all-reduces cost
+            more than one gather (benchmarks/README.md, Scaling). 1 always uses the fast path.
     """
 
     replay_every: int = 10
@@ -91,6 +97,7 @@ class GuardConfig:
     abft_margin: float = 10.0
     abft_block: int = 64
     triage_seconds: float = 20.0
+    fast_path_world: int = 32
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -101,6 +108,11 @@ class GuardConfig:
                     f"GuardConfig.{name}={value!r}: must be an integer from 1 to 1000000 "
                     f"(1 checks every step, 10 is the default)"
                 )
+        if not 1 <= self.fast_path_world <= 1 << 30:
+            raise ConfigError(
+                f"GuardConfig.fast_path_world={self.fast_path_world!r}: must be a world size "
+                "from 1 (always the fast path) up; the default 32 suits most clusters"
+            )
         if self.seed is not None and (
             isinstance(self.seed, bool)
             or not isinstance(self.seed, int)
@@ -159,7 +171,7 @@ class GuardConfig:
                     f"GuardConfig.{name}={value!r}: must be True or False (a bool, not "
                     f"{type(value).__name__})"
                 )
-        for name in ("calibration_replays", "trust_replays", "abft_block"):
+        for name in ("calibration_replays", "trust_replays", "abft_block", "fast_path_world"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(
@@ -227,5 +239,6 @@ class GuardConfig:
             "abft_margin": self.abft_margin,
             "abft_block": self.abft_block,
             "triage_seconds": self.triage_seconds,
+            "fast_path_world": self.fast_path_world,
             "faults": [f.describe() for f in self.faults],
         }

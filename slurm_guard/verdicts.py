@@ -310,6 +310,7 @@ def conservation_bound(
     buckets: int = 1,
     elements: int = 0,
     underflow: float = 0.0,
+    world: int | None = None,
 ) -> float:
     """How far the averaged sketch may drift from the mean of the local sketches by rounding.
 
@@ -319,13 +320,39 @@ def conservation_bound(
     fp16/bf16 buckets are divided before the sum (eta: half the smallest subnormal, what one
     underflowing division can lose). The fused kernel's fixed float64 tree errs by d u64 per L1
     on each sketch, adding B bucket sketches by B u64, averaging W sketches by W u64. A factor 2
-    covers the second-order terms.
+    covers the second-order terms. `world`: W when `l1_norms` is already their sum (the fast
+    path's all-reduce); the number of norms otherwise.
     """
     total = sum(l1_norms)
-    world = max(len(l1_norms), 1)
+    world = world if world is not None else max(len(l1_norms), 1)
     depth = max(largest_bucket, 2).bit_length() + 1
     float64_error = (2 * depth + 2 * buckets + world) * 2.0**-53 * total / world
     return 2.0 * (unit_roundoff * total + float64_error) + elements * world * underflow
+
+
+def step_passes_fast(
+    totals: Sequence[float], maxima: Sequence[int], world: int, bound: float
+) -> bool:
+    """The per-step checks from two all-reduces instead of every rank's row: True only where
+    the row check would find nothing, so a False (anything amiss, or an unexpected shape) sends
+    the step to the row gather, which attributes it.
+
+    totals (summed over ranks): [ranks with a non-finite local value, ranks with a non-finite
+    averaged value, local sketch, local L1]. maxima (maximum over ranks): [averaged sketch
+    bits, their bitwise complement, bits of the largest checked-GEMM residual/bound, NaN taken
+    as +inf]. Every rank holds the same averaged sketch iff max(bits) == ~max(~bits) = min.
+    """
+    if len(totals) != 4 or len(maxima) != 3 or world < 1:
+        return False
+    local_nonfinite, reduced_nonfinite, sketch_sum, _l1 = totals
+    reduced_max, reduced_complement_max, abft_max = maxima
+    if local_nonfinite != 0 or reduced_nonfinite != 0:
+        return False
+    if reduced_max != ~reduced_complement_max:
+        return False
+    if not bits_to_float(abft_max) <= 1.0:
+        return False
+    return abs(bits_to_float(reduced_max) - sketch_sum / world) <= bound
 
 
 def judge_reduction(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ from slurm_guard.verdicts import (
     judge_replays,
     judge_vote,
     settle_with_third,
+    step_passes_fast,
 )
 
 logger = logging.getLogger(__name__)
@@ -174,6 +176,7 @@ class Verifier:
         self.abft = abft
         self.calibration: list[float] = []  # worst discrepancy of each calibration step
         self.last_loss_bits = 0  # float64 bits of the last checked step's loss (OWN_LOSS)
+        self.fast_steps = 0  # steps passed by the fast path, without the row gather
 
     @property
     def rank(self) -> int:
@@ -265,6 +268,12 @@ class Verifier:
                 ~torch.isfinite(reduced_sketch),
             ]
         ).to(torch.int64)
+        abft: torch.Tensor | None = None
+        if not verify and config.finite_check and self.world_size >= config.fast_path_world:
+            abft = self._abft_summary(device)
+            if self._fast_step_passes(flags, loss, local_sketch, local_l1, reduced_sketch, abft):
+                self.fast_steps += 1
+                return StepResult(None, False)
         own_grad, reduced_grad = 0, 0
         replayed = _Replayed()
         owner = -1
@@ -302,11 +311,8 @@ class Verifier:
             replayed = self._replay(received[owner], key)
         middle = [own_grad, owner, replayed.loss, replayed.grad, int(replayed.nonfinite)]
         tail = [reduced_grad, int(replayed.failed)]
-        # checked GEMMs: [largest residual/bound, where] of this rank's step, still on device
-        abft = self.abft.summary(self.abft.collect()) if self.abft is not None else None
         if abft is None:
-            abft = torch.tensor([0.0, -1.0], dtype=torch.float64)
-        abft = abft.to(device)
+            abft = self._abft_summary(device)
         row = torch.cat(
             [
                 flags,
@@ -363,6 +369,42 @@ class Verifier:
                 self.calibration.append(worst)
         self.ledger(step, Check.REPLAY, True, detail)
         return StepResult(None, False, verified=True)
+
+    def _abft_summary(self, device: torch.device) -> torch.Tensor:
+        """Checked GEMMs: [largest residual/bound, where] of this rank's step, on the device."""
+        abft = self.abft.summary(self.abft.collect()) if self.abft is not None else None
+        if abft is None:
+            abft = torch.tensor([0.0, -1.0], dtype=torch.float64)
+        return abft.to(device)
+
+    def _fast_step_passes(
+        self,
+        flags: torch.Tensor,
+        loss: torch.Tensor,
+        local_sketch: torch.Tensor,
+        local_l1: torch.Tensor,
+        reduced_sketch: torch.Tensor,
+        abft: torch.Tensor,
+    ) -> bool:
+        """A step without replay, judged from two all-reduces of a few values instead of the
+        gather of every rank's row (`verdicts.step_passes_fast`); False: gather and judge."""
+        totals = torch.cat([flags.to(torch.float64), local_sketch.reshape(1), local_l1.reshape(1)])
+        reduced_bits = _bits(reduced_sketch)
+        ratio = torch.nan_to_num(abft[0:1].to(torch.float64), nan=math.inf).clamp_min(0.0)
+        maxima = torch.cat([reduced_bits, torch.bitwise_not(reduced_bits), _bits(ratio)])
+        sums, highs, own = self.comm.sum_and_max(totals, maxima, _bits(loss))
+        self.last_loss_bits = own[0]
+        finfo = torch.finfo(self.params[0].dtype)
+        bound = conservation_bound(
+            [sums[3]],
+            finfo.eps / 2,
+            self.hook.largest_bucket,
+            buckets=self.hook.buckets,
+            elements=self.hook.elements,
+            underflow=finfo.smallest_normal * finfo.eps / 2,
+            world=self.world_size,
+        )
+        return step_passes_fast(sums, highs, self.world_size, bound)
 
     def _judge_abft(self, step: int, rows: list[list[int]], captured: Captured) -> Finding | None:
         """A checked GEMM over its rounding bound is a local, attributable fault: this rank.

@@ -205,7 +205,7 @@ class HostReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def step_host_reads(run_dir: str) -> dict[str, Any]:
+def step_host_reads(run_dir: str, fast_path_world: int = 32) -> dict[str, Any]:
     """The host reads of a replay step, a plain step and a vote step (replay_every=vote_every=3),
     and whether each step returned the loss the loss function computed (as a float)."""
     recorded: list[torch.Tensor] = []
@@ -216,7 +216,8 @@ def step_host_reads(run_dir: str) -> dict[str, Any]:
         return loss
 
     def run() -> dict[str, Any]:
-        guard = _guard(run_dir, sg.GuardConfig(replay_every=3, vote_every=3), loss_fn)
+        config = sg.GuardConfig(replay_every=3, vote_every=3, fast_path_world=fast_path_world)
+        guard = _guard(run_dir, config, loss_fn)
         sites, exact = [], []
         for step in range(3):
             recorded.clear()
@@ -226,7 +227,7 @@ def step_host_reads(run_dir: str) -> dict[str, Any]:
             sites.append(reads.sites)
             # the first call is this rank's own forward; a replay of another rank's comes later
             exact.append(type(loss) is float and loss == float(recorded[0]))
-        return {"sites": sites, "loss_exact": exact}
+        return {"sites": sites, "loss_exact": exact, "fast_steps": guard.verifier.fast_steps}
 
     return _outcome(run)
 

@@ -94,3 +94,29 @@ def test_random_schedule_verifies_unpredictable_steps_and_catches_faults_there(
     assert (caught["step"], caught["check"], caught["suspect_ranks"]) == (on, "replay", [1])
     # a one-off fault on a step the schedule did not pick passes: the documented blind spot
     assert outcomes[0].value[1]["alarm"] is None
+
+
+def test_fast_path_finds_what_the_row_gather_finds(tmp_path: Path) -> None:
+    """The same faults on a step without replay, judged by the row gather (the default at 3
+    ranks) and by the fast path (fast_path_world=1): the fast path sees that something is
+    wrong, and the rows it then gathers give the same alarm."""
+    faults = {
+        "allreduce-everywhere": tuple(
+            sg.Fault("allreduce", rank=r, step=3, element=7) for r in range(3)
+        ),
+        "allreduce-one-rank": (sg.Fault("allreduce", rank=2, step=3, element=7),),
+        "nan": (sg.Fault("nan", rank=1, step=3),),
+    }
+    scenarios = [
+        scenario(tmp_path / f"{name}-{world}", 6, replay_every=5, faults=f, fast_path_world=world)
+        for name, f in faults.items()
+        for world in (32, 1)
+    ]
+    outcomes = run_local(run_scenarios, 3, args=(scenarios,), nodes=NODES)
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+    keys = ("step", "check", "verdict", "suspect_ranks")
+    for i, name in enumerate(faults):
+        gathered, fast = outcomes[0].value[2 * i]["alarm"], outcomes[0].value[2 * i + 1]["alarm"]
+        assert gathered is not None and fast is not None, name
+        assert gathered["step"] == 3, name
+        assert {k: fast[k] for k in keys} == {k: gathered[k] for k in keys}, name

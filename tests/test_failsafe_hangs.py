@@ -153,6 +153,9 @@ def test_injected_faults_are_logged_recorded_and_marked(tmp_path: Path) -> None:
         ("faults", ("kind=nan,rank=1,step=2",)),
         ("watchdog_seconds", "300"),
         ("watchdog_seconds", -1),
+        ("fast_path_world", 0),
+        ("fast_path_world", 2.0),
+        ("fast_path_world", True),
     ],
 )
 def test_config_values_of_the_wrong_type_are_refused(field: str, value: Any) -> None:

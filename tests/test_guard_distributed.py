@@ -240,15 +240,21 @@ def test_collectives_use_the_backend_device_and_one_host_read_per_step(tmp_path:
         assert "needs cuda tensors" in o.value["message"]
 
 
-def test_a_plain_step_reads_only_the_verdict_row_and_returns_the_loss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fast_path_world", [32, 1], ids=["row-gather", "fast-path"])
+def test_a_plain_step_reads_only_the_verdict_row_and_returns_the_loss(
+    tmp_path: Path, fast_path_world: int
+) -> None:
     """Every conversion of a tensor to Python values inside guard.step (a device-to-host copy on
-    CUDA), counted: a step without replay or vote makes exactly one, the gathered verdict row,
-    and the loss it returns comes from that row (no float(loss) of its own), bit-equal to what
-    the loss function computed. Replay and vote steps read more (fingerprints, the replay's
-    exchange), listed so that a new read anywhere shows up here."""
+    CUDA), counted: a step without replay or vote makes exactly one, the verdict read (there
+    the fast path's sums and maxima, which also carry this rank's loss), and the loss it
+    returns comes from that read (no float(loss) of its own), bit-equal to what the loss
+    function computed. Replay and vote steps read more (fingerprints, the replay's exchange),
+    listed so that a new read anywhere shows up here."""
     from failsafe_workers import step_host_reads
 
-    outcomes = run_local(step_host_reads, 3, args=(str(tmp_path),), nodes=["a", "b", "c"])
+    outcomes = run_local(
+        step_host_reads, 3, args=(str(tmp_path), fast_path_world), nodes=["a", "b", "c"]
+    )
     assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
     for o in outcomes:
         assert o.value["error"] is None, o.value["message"]
@@ -258,3 +264,5 @@ def test_a_plain_step_reads_only_the_verdict_row_and_returns_the_loss(tmp_path: 
         assert vote_step == ["collective.py:_read", "collective.py:_read"]
         assert not [s for s in replay_step if s.startswith("guard.py")], replay_step
         assert o.value["value"]["loss_exact"] == [True, True, True]
+        # the steps without a replay skip the row gather on the fast path
+        assert o.value["value"]["fast_steps"] == (2 if fast_path_world == 1 else 0)

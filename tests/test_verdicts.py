@@ -144,3 +144,44 @@ def test_conservation_bound_counts_fp16_underflow_and_buckets() -> None:
     assert conservation_bound([1.0, 1.0], 2.0**-53, 1000, buckets=100) > conservation_bound(
         [1.0, 1.0], 2.0**-53, 1000, buckets=1
     )
+
+
+def _float_bits(x: float) -> int:
+    import struct
+
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+def test_fast_path_passes_only_what_the_row_check_passes() -> None:
+    """The per-step fast path (sums and maxima over ranks) against the row check it replaces:
+    the same clean step passes both; each thing the rows would flag sends the step to them."""
+    from slurm_guard.verdicts import conservation_bound, judge_reduction, step_passes_fast
+
+    world, local, l1 = 3, [0.25, -0.5, 1.75], [3.0, 3.0, 3.0]
+    mean = sum(local) / world
+    bits = _float_bits(mean)
+    bound = conservation_bound(l1, 2.0**-24, 1000)
+    assert bound == conservation_bound([sum(l1)], 2.0**-24, 1000, world=world)
+    assert judge_reduction(local, l1, [bits] * world, bound) is None  # the rows pass...
+
+    def fast(**change: object) -> bool:
+        totals: list[float] = [0.0, 0.0, sum(local), sum(l1)]
+        maxima = [bits, ~bits, _float_bits(0.5)]
+        for key, value in change.items():
+            if key.startswith("t"):
+                totals[int(key[1:])] = value  # type: ignore[assignment]
+            else:
+                maxima[int(key[1:])] = value  # type: ignore[assignment]
+        return step_passes_fast(totals, maxima, world, bound)
+
+    assert fast()  # ...and so does the fast path
+    assert not fast(t0=1.0)  # a rank saw a non-finite local gradient
+    assert not fast(t1=2.0)  # a non-finite averaged gradient
+    assert not fast(m1=~(bits - 1))  # one rank holds another averaged sketch (max != min)
+    assert not fast(m2=_float_bits(1.5))  # a checked GEMM over its bound
+    assert not fast(m2=_float_bits(float("inf")))  # a NaN residual, sent as +inf
+    drifted = _float_bits(mean + 2 * bound)
+    assert judge_reduction(local, l1, [drifted] * world, bound) is not None
+    assert not fast(m0=drifted, m1=~drifted)  # the conservation check
+    assert fast(m0=_float_bits(mean + bound / 2), m1=~_float_bits(mean + bound / 2))
+    assert not step_passes_fast([0.0, 0.0, 1.0], [bits, ~bits, 0], world, bound)  # bad shape
