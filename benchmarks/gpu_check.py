@@ -7,7 +7,8 @@ On a machine with CUDA it runs, each part in its own time budget so one hang can
    of the same tensor (GB/s of input read; the copy also writes as much);
 4. step overhead of a ~350M-parameter GPT (TinyGPT width 1024, 24 layers, context 512, batch 8)
    under DDP with NCCL at world size 1: plain DDP, per-step checks only (replay and vote off),
-   the same with every GEMM checked (`abft=True`, the checked-GEMM cost on a GPU) and the default
+   the same judged by the fast path's all-reduces (`fast_path_world=1`), the same with every
+   GEMM checked (`abft=True`, the checked-GEMM cost on a GPU) and the default
    configuration, interleaved windows of K = 10 steps.
 Without CUDA it says so, runs its CPU-safe part (the Triton kernels under the interpreter against
 their specifications, when Triton is installed) and exits 0.
@@ -223,6 +224,10 @@ def steps_part(rounds: int) -> dict[str, Any]:
     variants: dict[str, sg.GuardConfig | None] = {
         "plain DDP": None,
         "per-step checks": sg.GuardConfig(replay_every=huge, vote_every=huge),
+        # the fast path's SUM and MAX all-reduces on NCCL (at 1 rank it is otherwise off)
+        "per-step checks, fast path": sg.GuardConfig(
+            replay_every=huge, vote_every=huge, fast_path_world=1
+        ),
         "per-step checks + abft": sg.GuardConfig(replay_every=huge, vote_every=huge, abft=True),
         "default": sg.GuardConfig(),
     }
