@@ -394,17 +394,21 @@ class Verifier:
         maxima = torch.cat([reduced_bits, torch.bitwise_not(reduced_bits), _bits(ratio)])
         sums, highs, own = self.comm.sum_and_max(totals, maxima, _bits(loss))
         self.last_loss_bits = own[0]
+        bound = self._conservation_bound([sums[3]], world=self.world_size)
+        return step_passes_fast(sums, highs, self.world_size, bound)
+
+    def _conservation_bound(self, l1: list[float], world: int | None = None) -> float:
+        """`verdicts.conservation_bound` for this step's buckets and gradient dtype."""
         finfo = torch.finfo(self.params[0].dtype)
-        bound = conservation_bound(
-            [sums[3]],
+        return conservation_bound(
+            l1,
             finfo.eps / 2,
             self.hook.largest_bucket,
             buckets=self.hook.buckets,
             elements=self.hook.elements,
             underflow=finfo.smallest_normal * finfo.eps / 2,
-            world=self.world_size,
+            world=world,
         )
-        return step_passes_fast(sums, highs, self.world_size, bound)
 
     def _judge_abft(self, step: int, rows: list[list[int]], captured: Captured) -> Finding | None:
         """A checked GEMM over its rounding bound is a local, attributable fault: this rank.
@@ -453,15 +457,7 @@ class Verifier:
 
     def _judge_reduction(self, rows: list[list[int]], verify: bool) -> Finding | None:
         l1 = [bits_to_float(r[LOCAL_L1]) for r in rows]
-        finfo = torch.finfo(self.params[0].dtype)
-        bound = conservation_bound(
-            l1,
-            finfo.eps / 2,
-            self.hook.largest_bucket,
-            buckets=self.hook.buckets,
-            elements=self.hook.elements,
-            underflow=finfo.smallest_normal * finfo.eps / 2,
-        )
+        bound = self._conservation_bound(l1)
         return judge_reduction(
             [bits_to_float(r[LOCAL_SKETCH]) for r in rows],
             l1,

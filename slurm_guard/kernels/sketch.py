@@ -140,12 +140,21 @@ def reference_check(
     return torch.cat([totals, nonfinite])
 
 
+def check_divisor(divisor: int, bucket: torch.Tensor | None = None) -> None:
+    """Refuse what the in-place division cannot do exactly; with `bucket`, also what the fused
+    kernels cannot divide in place (they write the quotient back where they read)."""
+    if not 1 <= divisor <= MAX_DIVISOR:
+        raise ValueError(f"divisor {divisor} is outside [1, {MAX_DIVISOR}]")
+    in_place = bucket is None or (bucket.is_contiguous() and bucket.dtype in DIVIDABLE)
+    if divisor > 1 and not in_place:
+        raise ValueError("in-place division needs a contiguous float32 or float64 bucket")
+
+
 def divide(bucket: torch.Tensor, divisor: int) -> None:
     """bucket /= divisor in place, IEEE division on every device: by a 0-dim tensor of the
     bucket's dtype on its device (no host sync), because a Python scalar divisor lets CUDA
     multiply by a rounded reciprocal instead."""
-    if not 1 <= divisor <= MAX_DIVISOR:
-        raise ValueError(f"divisor {divisor} is outside [1, {MAX_DIVISOR}]")
+    check_divisor(divisor)
     if divisor > 1:
         bucket.div_(torch.full((), divisor, dtype=bucket.dtype, device=bucket.device))
 
@@ -186,8 +195,7 @@ def native_check(
     read; the bits of `divide(bucket, divide_by)` followed by `reference_check`.
     """
     data = bucket.detach()
-    if divide_by > 1 and not (data.is_contiguous() and data.dtype in DIVIDABLE):
-        raise ValueError("in-place division needs a contiguous float32 or float64 bucket")
+    check_divisor(divide_by, data)
     if not data.is_contiguous():
         data = data.contiguous()
     n = data.numel()

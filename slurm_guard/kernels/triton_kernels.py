@@ -215,10 +215,7 @@ def triton_check(
 def _triton_check(
     bucket: torch.Tensor, words: tuple[int, int], l1: bool, divide_by: int
 ) -> torch.Tensor:
-    if divide_by > 1 and not (bucket.is_contiguous() and bucket.dtype in _sketch.DIVIDABLE):
-        raise ValueError("in-place division needs a contiguous float32 or float64 bucket")
-    if not 1 <= divide_by <= _sketch.MAX_DIVISOR:
-        raise ValueError(f"divisor {divide_by} is outside [1, {_sketch.MAX_DIVISOR}]")
+    _sketch.check_divisor(divide_by, bucket)
     x = bucket.detach().reshape(-1)
     if not x.is_contiguous():
         x = x.contiguous()
