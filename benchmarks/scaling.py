@@ -19,7 +19,9 @@ the checks' communication is timed with the guard's own code paths and tensor si
   step without replay instead of the verdict gather: one SUM all-reduce of 4 float64 (flag
   counts, local sketch, L1) and one MAX all-reduce of 3 int64 (averaged sketch bits and their
   complement, for min/max agreement; the largest checked-GEMM ratio), one host read; the row
-  gather runs only after it fails, to attribute.
+  gather runs only after it fails, to attribute;
+* the vote's fast path: `Verifier.vote` at `fast_path_world=1`: one MAX all-reduce of the
+  fingerprint's 2 lanes and their complements, one host read (the gather only on disagreement).
 
 Bytes per rank are computed from the code paths (ring all-gather: W-1 blocks sent and received
 per rank, gloo and NCCL alike). The Python that decodes and judges the gathered rows (O(W) per
@@ -91,7 +93,11 @@ def _no_ledger(step: int, check: object, ok: bool, detail: dict[str, object]) ->
 
 
 def _verifier(
-    comm: Any, topology: Topology, params: list[torch.nn.Parameter], hook: HookState
+    comm: Any,
+    topology: Topology,
+    params: list[torch.nn.Parameter],
+    hook: HookState,
+    config: GuardConfig | None = None,
 ) -> ver.Verifier:
     """A Verifier from the guard's own parts (no model: nothing is replayed here)."""
     return ver.Verifier(
@@ -100,7 +106,7 @@ def _verifier(
         fingerprinter=Fingerprinter(1234),
         hook=hook,
         replay=_no_replay,
-        config=GuardConfig(),
+        config=config or GuardConfig(),
         ledger=_no_ledger,
         params=params,
     )
@@ -127,6 +133,9 @@ def _worker(rounds: int) -> dict[str, Any]:
     fingerprinter = Fingerprinter(1234)
     hook = HookState(None, world, fingerprinter, signs, {})
     verifier = _verifier(comm, topology, [torch.nn.Parameter(torch.zeros(1))], hook)
+    fast = GuardConfig(fast_path_world=1)
+    fast_verifier = _verifier(comm, topology, [torch.nn.Parameter(torch.zeros(1))], hook, fast)
+    fingerprint = torch.tensor([0, 1], device=comm.device)  # the same on every rank: it passes
     row = torch.full((ver.ROW,), rank, dtype=torch.int64, device=comm.device)
     step = [0]
 
@@ -145,6 +154,7 @@ def _worker(rounds: int) -> dict[str, Any]:
         "ring replay exchange": lambda: exchange(pairs, captured, rank, comm),
         "bucket check": check,
         "step fast path (SUM+MAX)": lambda: _fast_path(comm),
+        "vote fast path (MAX)": lambda: fast_verifier.vote(0, fingerprint),
         "barrier (floor)": lambda: dist.barrier(),
     }
     times: dict[str, list[float]] = {name: [] for name in ops}
@@ -323,6 +333,7 @@ def main() -> None:
         rows.append(
             [world, "step fast path (SUM+MAX)", "< 112", med["step fast path (SUM+MAX)"] * 1e6]
         )
+        rows.append([world, "vote fast path (MAX)", "< 64", med["vote fast path (MAX)"] * 1e6])
         rows.append([world, "barrier (floor)", "-", med["barrier (floor)"] * 1e6])
 
     # Extrapolation to 1,024 nodes x 8 GPUs. On 2 shared cores the 3..8-process timings measure

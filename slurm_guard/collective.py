@@ -28,7 +28,6 @@ import datetime
 import hashlib
 import logging
 import os
-import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar, TypeVar
@@ -215,10 +214,11 @@ class Collective:
 
     def sum_and_max(
         self, sums: torch.Tensor, maxima: torch.Tensor, own: torch.Tensor
-    ) -> tuple[list[float], list[int], list[int]]:
+    ) -> tuple[list[int], list[int], list[int]]:
         """float64 sums and int64 maxima over every rank, read with this rank's `own` int64
         values in one device-to-host copy: the per-step fast path. Two all-reduces of a few
-        values cost O(log W) latency on tree algorithms, where the row gather costs O(W)."""
+        values cost O(log W) latency on tree algorithms, where the row gather costs O(W).
+        The sums come back as their float64 bit patterns (`verdicts.bits_to_float`)."""
         s = sums.reshape(-1).to(device=self.device, dtype=torch.float64)
         m = maxima.reshape(-1).to(device=self.device, dtype=torch.int64)
         mine = own.reshape(-1).to(device=self.device, dtype=torch.int64)
@@ -227,8 +227,15 @@ class Collective:
         dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
         (values,) = self._read(torch.cat([s.view(torch.int64), m, mine]).view(1, -1))
         n, k = s.numel(), m.numel()
-        totals = list(struct.unpack(f"<{n}d", struct.pack(f"<{n}q", *values[:n])))
-        return totals, values[n : n + k], values[n + k :]
+        return values[:n], values[n : n + k], values[n + k :]
+
+    def all_max(self, values: torch.Tensor, what: str) -> list[int]:
+        """The int64 maximum over every rank of each of `values`, in one all-reduce and one
+        device-to-host copy (the vote's fast path: O(log W) where the row gather is O(W))."""
+        m = values.reshape(-1).to(device=self.device, dtype=torch.int64)
+        self._check(what, m)
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        return self._read(m.view(1, -1))[0]
 
     def broadcast_ints(self, values: Sequence[int], what: str | None = None) -> list[int]:
         """Rank 0's values on every rank."""

@@ -75,8 +75,11 @@ class GuardConfig:
             all-reduces of a few values (O(log W) latency on tree algorithms) instead of a
             gather of every rank's row (O(W) latency and O(W) Python per step, ~80 ms at 8,192
             ranks); the rows are gathered only when the fast path finds something, to attribute
-            it. Below it the gather is cheaper: on gloo at 2-8 ranks two tiny all-reduces cost
-            more than one gather (benchmarks/README.md, Scaling). 1 always uses the fast path.
+            it. The vote likewise: one MAX all-reduce of the fingerprint's lanes and their
+            complements shows whether every replica agrees, and only a disagreement gathers the
+            fingerprints. Below it the gather is cheaper: on gloo at 2-8 ranks two tiny
+            all-reduces cost more than one gather (benchmarks/README.md, Scaling). 1 always
+            uses the fast path.
     """
 
     replay_every: int = 10

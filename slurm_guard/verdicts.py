@@ -303,6 +303,19 @@ def judge_vote(fingerprints: list[int], what: str = "weights") -> Finding | None
     )
 
 
+def votes_agree_fast(maxima: Sequence[int], lanes: int) -> bool:
+    """The vote from one all-reduce instead of every rank's fingerprint: True only when every
+    replica holds the same fingerprint, so a False (a disagreement, or an unexpected shape)
+    sends the vote to the gather, which finds the odd ones out.
+
+    maxima (maximum over ranks): [the fingerprint's `lanes` int64 lanes, their bitwise
+    complements]. Every rank holds the same lane iff max(lane) == ~max(~lane) = min(lane).
+    """
+    if lanes < 1 or len(maxima) != 2 * lanes:
+        return False
+    return all(maxima[i] == ~maxima[lanes + i] for i in range(lanes))
+
+
 def conservation_bound(
     l1_norms: list[float],
     unit_roundoff: float,

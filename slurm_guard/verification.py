@@ -39,6 +39,7 @@ from slurm_guard.verdicts import (
     judge_vote,
     settle_with_third,
     step_passes_fast,
+    votes_agree_fast,
 )
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,7 @@ class Verifier:
         self.calibration: list[float] = []  # worst discrepancy of each calibration step
         self.last_loss_bits = 0  # float64 bits of the last checked step's loss (OWN_LOSS)
         self.fast_steps = 0  # steps passed by the fast path, without the row gather
+        self.fast_votes = 0  # votes passed by one all-reduce, without the fingerprint gather
 
     @property
     def rank(self) -> int:
@@ -392,7 +394,8 @@ class Verifier:
         reduced_bits = _bits(reduced_sketch)
         ratio = torch.nan_to_num(abft[0:1].to(torch.float64), nan=math.inf).clamp_min(0.0)
         maxima = torch.cat([reduced_bits, torch.bitwise_not(reduced_bits), _bits(ratio)])
-        sums, highs, own = self.comm.sum_and_max(totals, maxima, _bits(loss))
+        sum_bits, highs, own = self.comm.sum_and_max(totals, maxima, _bits(loss))
+        sums = [bits_to_float(b) for b in sum_bits]
         self.last_loss_bits = own[0]
         bound = self._conservation_bound([sums[3]], world=self.world_size)
         return step_passes_fast(sums, highs, self.world_size, bound)
@@ -533,8 +536,18 @@ class Verifier:
 
     def vote(self, step: int, fingerprint: torch.Tensor) -> Finding | None:
         """Compare this replica's state fingerprint (its lanes, on the device) with every other
-        replica's: the gather's one host read is the only one, the fingerprint is not read
-        on its own first."""
+        replica's: the round's one host read is the only one, the fingerprint is not read on its
+        own first. From `GuardConfig.fast_path_world` ranks on, one MAX all-reduce of the lanes
+        and their complements shows whether all agree; only a disagreement gathers the
+        fingerprints, which name the odd ones out."""
+        if self.world_size >= self.config.fast_path_world:
+            lanes = fingerprint.reshape(-1).to(torch.int64)
+            maxima = self.comm.all_max(torch.cat([lanes, torch.bitwise_not(lanes)]), "vote")
+            if votes_agree_fast(maxima, lanes.numel()):
+                self.fast_votes += 1
+                agreed = lanes_to_int(maxima[: lanes.numel()])
+                self.ledger(step, Check.VOTE, True, {"fingerprint": f"{agreed:016x}"})
+                return None
         rows = self.comm.all_gather_rows(fingerprint)
         values = [lanes_to_int(r) for r in rows]
         finding = judge_vote(values)

@@ -227,7 +227,13 @@ def step_host_reads(run_dir: str, fast_path_world: int = 32) -> dict[str, Any]:
             sites.append(reads.sites)
             # the first call is this rank's own forward; a replay of another rank's comes later
             exact.append(type(loss) is float and loss == float(recorded[0]))
-        return {"sites": sites, "loss_exact": exact, "fast_steps": guard.verifier.fast_steps}
+        verifier = guard.verifier
+        return {
+            "sites": sites,
+            "loss_exact": exact,
+            "fast_steps": verifier.fast_steps,
+            "fast_votes": verifier.fast_votes,
+        }
 
     return _outcome(run)
 

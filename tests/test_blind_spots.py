@@ -120,3 +120,36 @@ def test_fast_path_finds_what_the_row_gather_finds(tmp_path: Path) -> None:
         assert gathered is not None and fast is not None, name
         assert gathered["step"] == 3, name
         assert {k: fast[k] for k in keys} == {k: gathered[k] for k in keys}, name
+
+
+def test_fast_vote_finds_what_the_fingerprint_gather_finds(tmp_path: Path) -> None:
+    """A weight flipped on one rank after an update, voted by the fingerprint gather (the
+    default at 3 ranks) and by one all-reduce (fast_path_world=1): the all-reduce sees the
+    disagreement, and the fingerprints it then gathers name the same rank; a run without a
+    fault passes both ways."""
+    flip = (sg.Fault("weight-bitflip", rank=2, step=1, param=10, bit=22),)
+    scenarios = [
+        scenario(
+            tmp_path / f"{name}-{world}",
+            6,
+            replay_every=1000,
+            vote_every=3,
+            faults=f,
+            fast_path_world=world,
+        )
+        for name, f in (("flip", flip), ("clean", ()))
+        for world in (32, 1)
+    ]
+    outcomes = run_local(run_scenarios, 3, args=(scenarios,), nodes=NODES)
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+    gathered, fast = outcomes[0].value[0]["alarm"], outcomes[0].value[1]["alarm"]
+    assert gathered is not None and fast is not None
+    keys = ("step", "check", "verdict", "suspect_ranks", "suspect_nodes")
+    assert {k: fast[k] for k in keys} == {k: gathered[k] for k in keys}
+    assert (fast["step"], fast["check"], fast["verdict"]) == (2, "vote", "sdc")
+    assert fast["suspect_ranks"] == [2]
+    # every rank's fingerprint in the evidence (each run has its own seed, so not equal values)
+    for alarm in (gathered, fast):
+        a, b, odd = alarm["evidence"]["fingerprints"]
+        assert a == b != odd
+    assert outcomes[0].value[2]["alarm"] is None and outcomes[0].value[3]["alarm"] is None

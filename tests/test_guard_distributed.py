@@ -264,5 +264,7 @@ def test_a_plain_step_reads_only_the_verdict_row_and_returns_the_loss(
         assert vote_step == ["collective.py:_read", "collective.py:_read"]
         assert not [s for s in replay_step if s.startswith("guard.py")], replay_step
         assert o.value["value"]["loss_exact"] == [True, True, True]
-        # the steps without a replay skip the row gather on the fast path
+        # the steps without a replay skip the row gather on the fast path, the vote the
+        # fingerprint gather (its one read is then the all-reduce's)
         assert o.value["value"]["fast_steps"] == (2 if fast_path_world == 1 else 0)
+        assert o.value["value"]["fast_votes"] == (1 if fast_path_world == 1 else 0)

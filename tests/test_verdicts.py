@@ -185,3 +185,25 @@ def test_fast_path_passes_only_what_the_row_check_passes() -> None:
     assert not fast(m0=drifted, m1=~drifted)  # the conservation check
     assert fast(m0=_float_bits(mean + bound / 2), m1=~_float_bits(mean + bound / 2))
     assert not step_passes_fast([0.0, 0.0, 1.0], [bits, ~bits, 0], world, bound)  # bad shape
+
+
+def test_fast_vote_passes_only_when_every_replica_agrees() -> None:
+    from slurm_guard.verdicts import votes_agree_fast
+
+    fingerprints = [[123, 456], [123, 456], [123, 456]]
+
+    def maxima(fps: list[list[int]]) -> list[int]:
+        lanes = len(fps[0])
+        return [max(fp[i] for fp in fps) for i in range(lanes)] + [
+            max(~fp[i] for fp in fps) for i in range(lanes)
+        ]
+
+    assert votes_agree_fast(maxima(fingerprints), 2)
+    for rank in range(3):
+        for lane in range(2):
+            for delta in (1, -1, 1 << 30):  # above or below the others, in either lane
+                odd = [list(fp) for fp in fingerprints]
+                odd[rank][lane] += delta
+                assert not votes_agree_fast(maxima(odd), 2), (rank, lane, delta)
+    assert not votes_agree_fast(maxima(fingerprints)[:3], 2)  # an unexpected shape
+    assert not votes_agree_fast([], 0)
