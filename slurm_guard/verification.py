@@ -104,6 +104,16 @@ def discrepancy(reference: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(worst, nan=float("inf"))
 
 
+def _upload(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host integers as an int64 tensor on `device` without waiting for the device: a blocking
+    host-to-device copy synchronises the stream (on CUDA it would wait for the whole backward
+    before the verdict round could even be launched)."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _total(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Sum per-bucket float64 scalars in a fixed order (bitwise equal on every rank)."""
     if not values:
@@ -125,6 +135,9 @@ class StepResult:
     finding: Finding | None
     skip_update: bool
     verified: bool = False
+
+
+_Constants = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -179,6 +192,9 @@ class Verifier:
         self.last_loss_bits = 0  # float64 bits of the last checked step's loss (OWN_LOSS)
         self.fast_steps = 0  # steps passed by the fast path, without the row gather
         self.fast_votes = 0  # votes passed by one all-reduce, without the fingerprint gather
+        # per device: a step's row fields that are constants without replay, and the abft
+        # summary without checked GEMMs; made once, so that a plain step uploads nothing
+        self._constants: dict[torch.device, _Constants] = {}
 
     @property
     def rank(self) -> int:
@@ -313,17 +329,21 @@ class Verifier:
             replayed = self._replay(received[owner], key)
         middle = [own_grad, owner, replayed.loss, replayed.grad, int(replayed.nonfinite)]
         tail = [reduced_grad, int(replayed.failed)]
+        if verify:
+            middle_t, tail_t = _upload(middle, device), _upload(tail, device)
+        else:  # the values a step without replay always has
+            middle_t, tail_t, _ = self._constants_on(device)
         if abft is None:
             abft = self._abft_summary(device)
         row = torch.cat(
             [
                 flags,
                 _bits(loss),
-                torch.tensor(middle, dtype=torch.int64, device=device),
+                middle_t,
                 _bits(local_sketch),
                 _bits(local_l1),
                 _bits(reduced_sketch),
-                torch.tensor(tail, dtype=torch.int64, device=device),
+                tail_t,
                 _bits(abft[0]),
                 abft[1:].to(torch.int64),
             ]
@@ -372,12 +392,28 @@ class Verifier:
         self.ledger(step, Check.REPLAY, True, detail)
         return StepResult(None, False, verified=True)
 
+    def _constants_on(self, device: torch.device) -> _Constants:
+        """(the row's middle and tail fields of a step without replay, the summary of no checked
+        GEMM) on `device`, uploaded on first use only."""
+        constants = self._constants.get(device)
+        if constants is None:
+            plain = _Replayed()
+            middle = [0, -1, plain.loss, plain.grad, int(plain.nonfinite)]
+            constants = (
+                _upload(middle, device),
+                _upload([0, int(plain.failed)], device),
+                torch.tensor([0.0, -1.0], dtype=torch.float64).to(device),
+            )
+            self._constants[device] = constants
+        return constants
+
     def _abft_summary(self, device: torch.device) -> torch.Tensor:
         """Checked GEMMs: [largest residual/bound, where] of this rank's step, on the device."""
-        abft = self.abft.summary(self.abft.collect()) if self.abft is not None else None
-        if abft is None:
-            abft = torch.tensor([0.0, -1.0], dtype=torch.float64)
-        return abft.to(device)
+        if self.abft is not None:
+            worst = self.abft.collect()
+            if worst is not None:
+                return self.abft.summary(worst).to(device)
+        return self._constants_on(device)[2]
 
     def _fast_step_passes(
         self,

@@ -193,15 +193,21 @@ class HostReads(TorchFunctionMode):
         }
     )
 
+    # tensors made from Python values: on CUDA each is a host-to-device copy, which synchronises
+    # the stream unless it comes from pinned memory without blocking
+    UPLOADS = frozenset({torch.tensor, torch.as_tensor})
+
     def __init__(self) -> None:
         super().__init__()
         self.sites: list[str] = []
+        self.uploads: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func in self.READS:
+        if func in self.READS or func in self.UPLOADS:
             caller = traceback.extract_stack(limit=2)[0]
             if f"{os.sep}optim{os.sep}" not in caller.filename:
-                self.sites.append(f"{Path(caller.filename).name}:{caller.name}")
+                site = f"{Path(caller.filename).name}:{caller.name}"
+                (self.sites if func in self.READS else self.uploads).append(site)
         return func(*args, **(kwargs or {}))
 
 
@@ -218,18 +224,20 @@ def step_host_reads(run_dir: str, fast_path_world: int = 32) -> dict[str, Any]:
     def run() -> dict[str, Any]:
         config = sg.GuardConfig(replay_every=3, vote_every=3, fast_path_world=fast_path_world)
         guard = _guard(run_dir, config, loss_fn)
-        sites, exact = [], []
+        sites, uploads, exact = [], [], []
         for step in range(3):
             recorded.clear()
             batch = make_batch(step, dist.get_rank(), SMALL)
             with HostReads() as reads:
                 loss = guard.step(batch)
             sites.append(reads.sites)
+            uploads.append(reads.uploads)
             # the first call is this rank's own forward; a replay of another rank's comes later
             exact.append(type(loss) is float and loss == float(recorded[0]))
         verifier = guard.verifier
         return {
             "sites": sites,
+            "uploads": uploads,
             "loss_exact": exact,
             "fast_steps": verifier.fast_steps,
             "fast_votes": verifier.fast_votes,

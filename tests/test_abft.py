@@ -356,3 +356,37 @@ def test_fsdp2_hsdp_mesh_checks_locally_and_names_the_faulty_rank() -> None:
         assert failures == expected, (rank, failures)
         clean = [w for step, w in enumerate(o.value["worst"]) if failures[step] == []]
         assert all(0 <= w < 0.2 for w in clean)
+
+
+def test_collecting_a_step_makes_no_tensor_from_python_values_after_the_first() -> None:
+    """The torch path (what CUDA runs) leaves its results on the device; reducing them must
+    not upload the layout every step: on CUDA a blocking upload waits for the whole backward."""
+    from torch.overrides import TorchFunctionMode
+
+    class Uploads(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_function__(  # type: ignore[override]
+            self, func: object, types: object, args: tuple[object, ...] = (), kwargs: object = None
+        ) -> object:
+            if func in (torch.tensor, torch.as_tensor):
+                self.calls.append(getattr(func, "__name__", "?"))
+            return func(*args, **(kwargs or {}))  # type: ignore[operator,dict-item]
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).double()  # torch path
+    handle = attach(model)
+    results = []
+    for _ in range(3):
+        model(torch.randn(40, 16, dtype=torch.float64)).square().sum().backward()  # type: ignore[no-untyped-call]
+        with Uploads() as uploads:
+            worst = handle.collect()
+        assert worst is not None and worst.dtype == torch.float32
+        results.append((uploads.calls, worst))
+    assert results[0][0] != []  # the first step uploads the layout...
+    assert results[1][0] == [] and results[2][0] == []  # ...the next ones reuse it
+    for _, w in results:  # every pass checked and clean (-1: the first layer's grad_x never ran)
+        assert w[0, 1] == -1 and bool((w.flatten()[[0, 2, 3, 4, 5]] >= 0).all()), w
+        assert float(w.max()) < 0.1

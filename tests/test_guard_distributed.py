@@ -249,7 +249,8 @@ def test_a_plain_step_reads_only_the_verdict_row_and_returns_the_loss(
     the fast path's sums and maxima, which also carry this rank's loss), and the loss it
     returns comes from that read (no float(loss) of its own), bit-equal to what the loss
     function computed. Replay and vote steps read more (fingerprints, the replay's exchange),
-    listed so that a new read anywhere shows up here."""
+    listed so that a new read anywhere shows up here. The plain step also makes no tensor from
+    Python values (on CUDA a blocking upload, which waits for the whole backward)."""
     from failsafe_workers import step_host_reads
 
     outcomes = run_local(
@@ -260,6 +261,8 @@ def test_a_plain_step_reads_only_the_verdict_row_and_returns_the_loss(
         assert o.value["error"] is None, o.value["message"]
         replay_step, plain_step, vote_step = o.value["value"]["sites"]
         assert plain_step == ["collective.py:_read"]
+        # and uploads nothing: its constant row fields were made once, at the replay step
+        assert o.value["value"]["uploads"][1] == [], o.value["value"]["uploads"]
         # the verdict row, then the vote's gathered fingerprints (not the fingerprint alone)
         assert vote_step == ["collective.py:_read", "collective.py:_read"]
         assert not [s for s in replay_step if s.startswith("guard.py")], replay_step

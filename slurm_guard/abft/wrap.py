@@ -86,6 +86,7 @@ class Abft:
     def __init__(self, sites: list[Site]) -> None:
         self.sites = sites
         self._worst: torch.Tensor | None = None
+        self._layout: tuple[tuple[object, ...], torch.Tensor] | None = None
         self._restore: list[Callable[[], None]] = []
 
     @property
@@ -136,9 +137,7 @@ class Abft:
             return torch.tensor(rooted).view(len(self.sites), width)
         device = values[0].device
         flat = torch.cat(values).float()
-        segment = torch.repeat_interleave(
-            torch.tensor(index, device=device), torch.tensor(sizes, device=device)
-        )
+        segment = self._segment(index, sizes, device)
         if any(v != -1.0 for v in host):  # both paths ran (CPU only: the C path is CPU-only)
             worst = torch.tensor(host, device=device)
         else:  # a fill on the device: no host-to-device copy, which could wait for the GPU
@@ -147,6 +146,16 @@ class Abft:
             0, segment, flat.nan_to_num(nan=math.inf, posinf=math.inf), reduce="amax"
         )
         return torch.where(worst > 0, worst.sqrt(), worst).view(len(self.sites), width)
+
+    def _segment(self, index: list[int], sizes: list[int], device: torch.device) -> torch.Tensor:
+        """Which result slot each checked value goes to, on the device. The layout repeats from
+        step to step (same layers, passes and shapes), so it is uploaded once, not per step: a
+        blocking host-to-device copy would wait for the whole backward on CUDA."""
+        key = (tuple(index), tuple(sizes), device)
+        if self._layout is None or self._layout[0] != key:
+            segment = torch.repeat_interleave(torch.tensor(index), torch.tensor(sizes))
+            self._layout = (key, segment.to(device))
+        return self._layout[1]
 
     def summary(self, worst: torch.Tensor | None) -> torch.Tensor:
         """[largest ratio, its flat (layer * 3 + pass) index] as float64 on the same device: the
