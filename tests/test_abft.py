@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from abft_workers import fsdp_run
+from abft_workers import Conv1D, fsdp_run
 from torch import nn
 
 import slurm_guard as sg
@@ -26,21 +26,6 @@ from slurm_guard.abft.checked import HALF_BLOCK, signs
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
 from slurm_guard.faults import FaultInjector, parse_faults
 from slurm_guard.local_launch import run_local
-
-
-class Conv1D(nn.Module):
-    """The addmm layer of HuggingFace GPT-2 (transformers.pytorch_utils.Conv1D), same semantics,
-    so the Conv1D path is tested even where transformers is not installed."""
-
-    def __init__(self, nf: int, nx: int) -> None:
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size_out = (*x.size()[:-1], self.nf)
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:

@@ -18,7 +18,6 @@ nn.Linear and Conv1D, in all three passes:
 from __future__ import annotations
 
 import ctypes
-import math
 import os
 import subprocess
 import sys
@@ -27,6 +26,12 @@ from typing import Any
 
 import pytest
 import torch
+from abft_workers import (
+    LAYER_SHAPES,
+    one_step_ratios,
+    two_layers,
+    zero_blocks_pass_and_non_finite_products_fail,
+)
 from torch import nn
 
 from slurm_guard.abft import PASSES, attach
@@ -36,21 +41,6 @@ from slurm_guard.kernels import abft_native as nk
 from slurm_guard.kernels import native as nat
 
 needs_native = pytest.mark.skipif(nk.native() is None, reason="abft kernel not built")
-
-
-class Conv1D(nn.Module):
-    """HuggingFace GPT-2's addmm layer (same semantics as transformers' Conv1D)."""
-
-    def __init__(self, nf: int, nx: int, bias: bool = True) -> None:
-        super().__init__()
-        self.nf = nf
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.view(-1, x.size(-1))
-        out = x2 @ self.weight if self.bias is None else torch.addmm(self.bias, x2, self.weight)
-        return out.view(*x.shape[:-1], self.nf)
 
 
 @pytest.mark.skipif(nat.compiler() is None, reason="no C compiler on PATH")
@@ -148,13 +138,6 @@ def test_stats_agree_with_torch_sums(n: int, d: int, block: int) -> None:
     assert torch.allclose(col_sq, sq.sum(0), rtol=1e-6, atol=0)
 
 
-def _model(kind: str, k: int, p: int, bias: bool) -> nn.Module:
-    torch.manual_seed(k * 1000 + p)
-    if kind == "linear":
-        return nn.Sequential(nn.Linear(k, p, bias=bias), nn.Tanh(), nn.Linear(p, 9, bias=bias))
-    return nn.Sequential(Conv1D(p, k, bias=bias), nn.Tanh(), Conv1D(9, p, bias=bias))
-
-
 def _ratios(
     model: nn.Module,
     x: torch.Tensor,
@@ -163,44 +146,20 @@ def _ratios(
     fault: tuple[int, float] | None = None,
     block: int = 32,
 ) -> tuple[list[list[float]], list[Any]]:
-    """(worst ratio per layer and pass, the result objects) of one forward and backward, by the
-    C path or the torch path; fault = (element, error) added to layer 0's product of every pass."""
-    handle = attach(model, block=block)
+    """`one_step_ratios` by the C path or the torch path, and the type of each result."""
     with monkeypatch.context() as mp:
         if not use_native:
             mp.setattr(nk, "native", lambda: None)
-        if fault is not None:
-            for which in PASSES:
-                handle.inject(0, which, lambda t: t.view(-1)[fault[0] % t.numel()].add_(fault[1]))
-        x = x.clone().requires_grad_()
-        model(x).sin().sum().backward()  # type: ignore[no-untyped-call]
-        kinds = [type(r) for s in handle.sites for _, r in s.results]
-        worst = handle.collect()
-        for s in handle.sites:
-            s.injectors.clear()
-    model.zero_grad(set_to_none=True)
-    assert worst is not None
-    return worst.tolist(), kinds
-
-
-SHAPES = [
-    ("linear", 64, 32, 48, True, 32),
-    ("linear", 70, 33, 47, False, 32),
-    ("linear", 5, 7, 3, True, 32),
-    ("linear", 45, 40, 70, True, 8),
-    ("conv1d", 64, 32, 48, True, 32),
-    ("conv1d", 70, 33, 47, False, 32),
-    ("conv1d", 45, 40, 70, True, 8),
-    ("conv1d", 300, 128, 96, True, 32),
-]
+        worst, results = one_step_ratios(model, x, block, fault)
+    return worst, [type(r) for r in results]
 
 
 @needs_native
-@pytest.mark.parametrize(("kind", "n", "k", "p", "bias", "block"), SHAPES)
+@pytest.mark.parametrize(("kind", "n", "k", "p", "bias", "block"), LAYER_SHAPES)
 def test_native_and_torch_paths_agree(
     monkeypatch: pytest.MonkeyPatch, kind: str, n: int, k: int, p: int, bias: bool, block: int
 ) -> None:
-    model = _model(kind, k, p, bias)
+    model = two_layers(kind, k, p, bias)
     x = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
     clean_n, kinds_n = _ratios(model, x, monkeypatch, True, block=block)
     clean_t, kinds_t = _ratios(model, x, monkeypatch, False, block=block)
@@ -228,28 +187,11 @@ def test_all_zero_blocks_pass_and_non_finite_products_fail(
 ) -> None:
     """A zero block (padding tokens, ignored labels' zero gradients) has a zero residual and,
     without bias, a zero rounding bound: 0 / 0 must not become a false alarm."""
-    model = _model(kind, 16, 24, False)
-    x = torch.randn(96, 16)
-    x[32:64] = 0  # one whole zero block in the forward
-    x = x.requires_grad_()
-    handle = attach(model)
     with monkeypatch.context() as mp:
         if not use_native:
             mp.setattr(nk, "native", lambda: None)
-        y = model(x)
-        mask = torch.ones_like(y)
-        mask[:32] = 0  # zero gradient rows: a whole zero block in the backward
-        (y * mask).sum().backward()  # type: ignore[no-untyped-call]
-        assert handle.findings(handle.collect()) == []
-        for bad in (float("nan"), float("inf")):
-            for which in PASSES:
-                handle.inject(1, which, lambda t, v=bad: t.view(-1)[3].fill_(v))
-            model(x).sum().backward()  # type: ignore[no-untyped-call]
-            findings = handle.findings(handle.collect())
-            # layer 2's three products fail; the NaN/Inf also reaches layer 0's gradients
-            assert {("2", w) for w in PASSES} <= {(f.layer, f.gemm_pass) for f in findings}
-            assert all(math.isinf(f.ratio) for f in findings), findings
-            handle.sites[1].injectors.clear()
+        kinds = zero_blocks_pass_and_non_finite_products_fail(kind)
+    assert (float in kinds) == use_native
 
 
 @needs_native
@@ -305,7 +247,7 @@ def test_operands_near_the_float32_range_never_pass_a_fault_unseen(
     float32's range: a bound computed from those squares overflows, and dividing by it would
     make every residual 0. The check must then fail closed (or, with norms kept in float64,
     still see the fault), never report a faulty product as clean."""
-    model = _model("linear", 16, 24, False)
+    model = two_layers("linear", 16, 24, False)
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(3)) * 1e19
     worst, _ = _ratios(model, x, monkeypatch, use_native, fault=(5, 1e17))
     assert all(not ratio <= 1.0 for ratio in worst[0]), worst

@@ -160,6 +160,11 @@ class Factors:
         return (2 * self.per_element + (3 * n_b + 8) * n_b * self.uc2) * self.scale
 
     @property
+    def numbers(self) -> tuple[float, float, float, float, float]:
+        """The five numbers, in the order the C and Triton compare passes read them."""
+        return (self.per_element, self.check_gemm, self.uc2, self.scale, self.floor2)
+
+    @property
     def k3(self) -> float:
         return 2 * self.check_gemm * self.scale
 

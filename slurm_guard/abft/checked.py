@@ -26,6 +26,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -40,6 +41,7 @@ from slurm_guard.abft.bounds import (
     roundoff,
 )
 from slurm_guard.kernels import abft_native as nk
+from slurm_guard.kernels import abft_triton as at
 
 FWD, GRAD_X, GRAD_W = 0, 1, 2
 PASSES = ("fwd", "grad_x", "grad_w")
@@ -49,6 +51,9 @@ HALF_BLOCK = 32
 HALF = (torch.float16, torch.bfloat16)
 
 Injector = Callable[[torch.Tensor], None]
+# What checks a float32 product in one pass per tensor: the C passes (CPU) or the Triton ones
+# (the module `abft_triton`: CUDA, or CPU under the interpreter in tests)
+Passes = nk._Native | ModuleType
 
 
 @dataclass
@@ -102,18 +107,21 @@ class Site:
         return self.bias_norms[1]
 
     def weight_norms(
-        self, m: torch.Tensor, kernel: nk._Native | None = None
+        self, m: torch.Tensor, kernel: Passes | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(||M[:, c]||^2 per output column, ||M[l, :]||^2 per input row), one pass over the
         weight per step: kept until the weight changes (version counter) or the step ends.
-        With the C kernel they are float64 (what its compare pass reads), else the check dtype."""
+        With the one-pass kernels they are float64 (what their compare passes read), else the
+        check dtype."""
         key = (m.data_ptr(), m._version, m.shape[0], kernel is not None)
         norms = self.norms
         if norms is not None and norms[0] == key:
             return norms[1], norms[2]
         w = m.t() if self.kind == "linear" else m  # the stored, contiguous layout
-        if kernel is not None:
+        if isinstance(kernel, nk._Native):
             along, across = nk.weight_norms(kernel, w if w.is_contiguous() else w.contiguous())
+        elif kernel is not None:
+            along, across = at.weight_norms(w)
         else:
             sq = _squares(w)
             along = sq.sum(1)
@@ -122,18 +130,23 @@ class Site:
         self.norms = (key, col, row)
         return col, row
 
-    def kernel(self, which: int, *tensors: torch.Tensor | None) -> nk._Native | None:
-        """The C kernel when it can check this pass: float32 CPU operands, built, and no bound
-        probe waiting for this pass (the probe needs the torch path's per-element bound)."""
+    def kernel(self, which: int, *tensors: torch.Tensor | None) -> Passes | None:
+        """The one-pass kernels when they can check this pass: float32 operands on one device
+        (the C passes on the CPU, if built; the Triton ones on CUDA, if installed), outside
+        autocast, and no bound probe waiting for this pass (the probe needs the torch path's
+        per-element bound). None: the torch path."""
         probe = self.probe
         if probe is not None and probe.get("which") == which and "bound2" not in probe:
             return None
-        if torch.is_autocast_enabled("cpu"):
+        device = next(t.device for t in tensors if t is not None)
+        if torch.is_autocast_enabled(device.type):
             return None  # (autocast casts the operands to a half type first anyway)
         for t in tensors:
-            if t is not None and (t.dtype != torch.float32 or not t.is_cpu):
+            if t is not None and (t.dtype != torch.float32 or t.device != device):
                 return None
-        return nk.native()
+        if at.available(device):
+            return at
+        return nk.native() if device.type == "cpu" else None
 
     def factors(self, q: int, n_max: int, like: torch.Tensor) -> Factors:
         """The bound's numbers for a float32 product (`bounds.factors`), kept per shape: per
@@ -331,32 +344,56 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-_CPU = torch.device("cpu")
-
-
-def _cpu_signs(n: int) -> torch.Tensor:
-    """`signs` as the C passes read them (float32, CPU)."""
-    return signs(n, torch.float32, _CPU)
-
-
-def native_stats(
-    kernel: nk._Native, a: torch.Tensor, block: int, rows: bool, cols: bool
-) -> nk.Stats:
-    """`abft_native.stats` of a 2-D operand with the row and/or column signs of `signs`."""
+def native_stats(kernel: Passes, a: torch.Tensor, block: int, rows: bool, cols: bool) -> Any:
+    """One pass over a 2-D operand (`abft_native.stats` or `abft_triton.stats`) with the row
+    and/or column signs of `signs`."""
     n, d = a.shape
-    return nk.stats(
-        kernel,
-        _contiguous(a),
-        block,
-        _cpu_signs(n) if rows else None,
-        _cpu_signs(d) if cols else None,
-    )
+    row_sign = signs(n, torch.float32, a.device) if rows else None
+    col_sign = signs(d, torch.float32, a.device) if cols else None
+    if isinstance(kernel, nk._Native):
+        return nk.stats(kernel, _contiguous(a), block, row_sign, col_sign)
+    return at.stats(_contiguous(a), block, row_sign, col_sign)
 
 
-class _NativeCheck:
-    """One layer's checks by the C passes, in cache order: each operand is read right before
-    the GEMM that reads it too, each product right after the GEMM that wrote it (a pass over a
-    cold multi-megabyte tensor costs several times one over a hot one).
+def _compare(
+    kernel: Passes,
+    out: torch.Tensor,
+    block: int,
+    pred: torch.Tensor,
+    bias: torch.Tensor | None,
+    st: Any,
+    m_sq: torch.Tensor,
+    f: Factors,
+) -> float | torch.Tensor:
+    """The check of a product whose rows are blocked (`abft_native.compare`): a number from
+    the C pass, a 0-dim device tensor from the Triton one (no host read per check)."""
+    sign = signs(out.shape[0], torch.float32, out.device)
+    out, b = _contiguous(out), None if bias is None else _contiguous(bias)
+    if isinstance(kernel, nk._Native):
+        return nk.compare(kernel, out, block, sign, pred, b, st.a_sq, st.s_sq, m_sq, f.native)
+    factors_t = at.factors_on(f.numbers, out.device)
+    return at.compare(out, block, sign, pred, b, st.a_sq, st.s_sq, m_sq, factors_t)
+
+
+def _compare_transposed(
+    kernel: Passes, out_t: torch.Tensor, block: int, pred: torch.Tensor, st: Any,
+    m_sq: torch.Tensor, f: Factors,
+) -> float | torch.Tensor:  # fmt: skip
+    """`_compare` for a product held transposed (its row blocks are out_t's column blocks)."""
+    sign = signs(out_t.shape[1], torch.float32, out_t.device)
+    out_t = _contiguous(out_t)
+    if isinstance(kernel, nk._Native):
+        args = (st.ca_sq, st.cs_sq, m_sq, f.native)
+        return nk.compare_transposed(kernel, out_t, block, sign, pred, *args)
+    factors_t = at.factors_on(f.numbers, out_t.device)
+    return at.compare_transposed(out_t, block, sign, pred, st.ca_sq, st.cs_sq, m_sq, factors_t)
+
+
+class _FusedCheck:
+    """One layer's checks by the one-pass kernels (C on the CPU, Triton on CUDA), in cache
+    order: each operand is read right before the GEMM that reads it too, each product right
+    after the GEMM that wrote it (a pass over a cold multi-megabyte tensor costs several times
+    one over a hot one).
 
     Forward: one read of x (its block sums and norms, and its column-block sums for Conv1D's
     weight-gradient check), the checksum GEMM in torch, one read of y. Backward: one read of g
@@ -365,9 +402,7 @@ class _NativeCheck:
     the forward for the weight-gradient check."""
 
     @staticmethod
-    def before_forward(
-        kernel: nk._Native, site: Site, x2: torch.Tensor, m: torch.Tensor
-    ) -> nk.Stats:
+    def before_forward(kernel: Passes, site: Site, x2: torch.Tensor, m: torch.Tensor) -> Any:
         cols = _x_blocked(x2.shape[1], m.shape[1])
         st = native_stats(kernel, x2, site.block, rows=True, cols=cols)
         site.weight_norms(m, kernel)
@@ -375,47 +410,39 @@ class _NativeCheck:
 
     @staticmethod
     def forward(
-        kernel: nk._Native,
+        kernel: Passes,
         site: Site,
-        st: nk.Stats,
+        st: Any,
         m: torch.Tensor,
         bias: torch.Tensor | None,
         y: torch.Tensor,
-    ) -> float:
-        block = site.block
+    ) -> float | torch.Tensor:
         col_sq, _ = site.weight_norms(m, kernel)
         assert st.rows is not None
         pred = torch.mm(st.rows, m)
-        f = site.factors(m.shape[0], min(y.shape[0], block), y)
-        b = None if bias is None else _contiguous(bias)
-        sign = _cpu_signs(y.shape[0])
-        return nk.compare(
-            kernel, _contiguous(y), block, sign, pred, b, st.a_sq, st.s_sq, col_sq, f.native
-        )
+        f = site.factors(m.shape[0], min(y.shape[0], site.block), y)
+        return _compare(kernel, y, site.block, pred, bias, st, col_sq, f)
 
     @staticmethod
     def grad_x(
-        kernel: nk._Native, site: Site, st: nk.Stats, m: torch.Tensor, grad_x: torch.Tensor
-    ) -> float:
-        block = site.block
+        kernel: Passes, site: Site, st: Any, m: torch.Tensor, grad_x: torch.Tensor
+    ) -> float | torch.Tensor:
         _, row_sq = site.weight_norms(m, kernel)
         assert st.rows is not None
         pred = torch.mm(st.rows, m.t())
-        f = site.factors(m.shape[1], min(grad_x.shape[0], block), grad_x)
-        sign = _cpu_signs(grad_x.shape[0])
-        args = (pred, None, st.a_sq, st.s_sq, row_sq, f.native)
-        return nk.compare(kernel, _contiguous(grad_x), block, sign, *args)
+        f = site.factors(m.shape[1], min(grad_x.shape[0], site.block), grad_x)
+        return _compare(kernel, grad_x, site.block, pred, None, st, row_sq, f)
 
     @staticmethod
     def grad_w(
-        kernel: nk._Native,
+        kernel: Passes,
         site: Site,
-        g_stats: nk.Stats,
-        x_stats: nk.Stats | None,
+        g_stats: Any,
+        x_stats: Any,
         g: torch.Tensor,
         x2: torch.Tensor,
         stored: torch.Tensor,
-    ) -> float:
+    ) -> float | torch.Tensor:
         """grad = P^T Q: the column blocks of P are the checksum rows, P = x (rows of x^T g)
         or P = g (rows of g^T x) as `_x_blocked` says; the stored layout holds that product
         (g^T x for nn.Linear, x^T g for Conv1D) or its transpose."""
@@ -431,11 +458,18 @@ class _NativeCheck:
         pred = torch.mm(p_stats.cols.t(), q)
         product_rows = k if by_x else g.shape[1]
         f = site.factors(n, min(product_rows, site.block), stored)
-        args = (p_stats.ca_sq, p_stats.cs_sq, q_col_sq, f.native)
-        sign = _cpu_signs(product_rows)
         if stored_is_checked(site.kind, k, g.shape[1]):
-            return nk.compare(kernel, _contiguous(stored), site.block, sign, pred, None, *args)
-        return nk.compare_transposed(kernel, _contiguous(stored), site.block, sign, pred, *args)
+            st = _RowBlocks(p_stats.ca_sq, p_stats.cs_sq)
+            return _compare(kernel, stored, site.block, pred, None, st, q_col_sq, f)
+        return _compare_transposed(kernel, stored, site.block, pred, p_stats, q_col_sq, f)
+
+
+@dataclass(frozen=True)
+class _RowBlocks:
+    """The bound's per-block norms of a checksum operand, under the names `_compare` reads."""
+
+    a_sq: Any
+    s_sq: Any
 
 
 class CheckedGemm(torch.autograd.Function):
@@ -451,7 +485,7 @@ class CheckedGemm(torch.autograd.Function):
         kernel = site.kernel(FWD, x2, m, bias) if active else None
         x_stats = None
         if kernel is not None:  # (a Function's forward records no graph: no no_grad needed)
-            x_stats = _NativeCheck.before_forward(kernel, site, x2, m)
+            x_stats = _FusedCheck.before_forward(kernel, site, x2, m)
         if site.kind == "linear":
             out = F.linear(x, m.t(), bias)  # exactly what an unchecked nn.Linear computes
         elif bias is not None:
@@ -471,7 +505,7 @@ class CheckedGemm(torch.autograd.Function):
             site.count(x2.shape[0], k, m.shape[1])
         if kernel is not None:
             assert x_stats is not None
-            site.results.append((FWD, _NativeCheck.forward(kernel, site, x_stats, m, bias, y)))
+            site.results.append((FWD, _FusedCheck.forward(kernel, site, x_stats, m, bias, y)))
         elif active:
             with torch.no_grad(), _no_autocast(y.device):
                 block = site.block_for(y.dtype)
@@ -531,7 +565,7 @@ class CheckedGemm(torch.autograd.Function):
             if kx is not None:
                 assert g_stats is not None
                 with quiet:
-                    ratio = _NativeCheck.grad_x(kx, site, g_stats, m, grad_x)
+                    ratio = _FusedCheck.grad_x(kx, site, g_stats, m, grad_x)
                 site.results.append((GRAD_X, ratio))
         stored = None  # the weight gradient in the weight's layout
         if need_m:
@@ -546,7 +580,7 @@ class CheckedGemm(torch.autograd.Function):
             if kw is not None:
                 assert g_stats is not None
                 with quiet:
-                    ratio = _NativeCheck.grad_w(kw, site, g_stats, ctx.x_stats, g, x2, stored)
+                    ratio = _FusedCheck.grad_w(kw, site, g_stats, ctx.x_stats, g, x2, stored)
                 site.results.append((GRAD_W, ratio))
         if need_b:
             grad_b = g.sum(0)
