@@ -61,8 +61,9 @@ class Site:
     """One checked layer (or one projection inside attention) and what it has seen this step.
 
     `results` collects (pass, (residual / bound)^2): per block and column as a device tensor
-    (torch path), or its largest value as a number (the C path, CPU only, where the number is
-    on the host anyway). `checking` False keeps the layer wrapped for fault injection only.
+    (torch path), its largest value as a 0-dim device tensor (the Triton path, CUDA), or as a
+    number (the C path, CPU only, where the number is on the host anyway). `checking` False
+    keeps the layer wrapped for fault injection only.
     `injectors[pass]` corrupt that pass's output in place before it is checked (software
     faults, `slurm_guard.faults`).
     """
@@ -376,9 +377,14 @@ def _compare(
 
 
 def _compare_transposed(
-    kernel: Passes, out_t: torch.Tensor, block: int, pred: torch.Tensor, st: Any,
-    m_sq: torch.Tensor, f: Factors,
-) -> float | torch.Tensor:  # fmt: skip
+    kernel: Passes,
+    out_t: torch.Tensor,
+    block: int,
+    pred: torch.Tensor,
+    st: Any,
+    m_sq: torch.Tensor,
+    f: Factors,
+) -> float | torch.Tensor:
     """`_compare` for a product held transposed (its row blocks are out_t's column blocks)."""
     sign = signs(out_t.shape[1], torch.float32, out_t.device)
     out_t = _contiguous(out_t)

@@ -113,8 +113,8 @@ class Abft:
         where that GEMM did not run; None if nothing was checked. Clears the pending results.
 
         A NaN (a non-finite GEMM result) counts as +inf: it must fail. The C path leaves host
-        numbers (its tensors are on the CPU), the torch path device tensors, reduced on the
-        device with one scatter; the square root is taken once per step."""
+        numbers (its tensors are on the CPU), the torch and Triton paths device tensors,
+        reduced on the device with one scatter; the square root is taken once per step."""
         width = len(PASSES)
         host = [-1.0] * (len(self.sites) * width)
         values, index, sizes = [], [], []
