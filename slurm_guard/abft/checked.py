@@ -202,10 +202,11 @@ def signs(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The sign (+1 or -1) of each of n rows in its block's checksum: -1 where the top bit of
     (i * SIGN_HASH) mod 2^32 is set. A Weyl sequence: any run of rows has about as many of each,
     so rows that share an offset cancel it in the checksum instead of adding it up. The C passes
-    read the same signs (float32, CPU)."""
-    i = torch.arange(n, dtype=torch.int64)
+    read the same signs (float32, CPU). Made on the device itself: an upload from the host
+    would synchronise a CUDA stream for every new row count."""
+    i = torch.arange(n, dtype=torch.int64, device=device)
     top = ((i * SIGN_HASH) & 0xFFFFFFFF) >> 31
-    return (1 - 2 * top).to(dtype=dtype, device=device)
+    return (1 - 2 * top).to(dtype=dtype)
 
 
 def _rows(n: int, block: int, like: torch.Tensor) -> Rows:
