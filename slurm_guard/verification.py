@@ -85,9 +85,11 @@ TOLERANCE_FLOOR = 4 * torch.finfo(torch.float32).eps
 
 
 def reference_vector(loss: torch.Tensor, sketches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Tolerance mode: [loss, (sketch, norm) per parameter] in float64 on the CPU."""
-    parts = [loss.detach().double().reshape(1).cpu()] + [s.cpu() for s in sketches]
-    return torch.cat(parts)
+    """Tolerance mode: [loss, (sketch, norm) per parameter] in float64 on the CPU, joined on
+    the loss's device first: one device-to-host copy, not one per parameter."""
+    device = loss.device
+    parts = [loss.detach().double().reshape(1)] + [s.to(device) for s in sketches]
+    return torch.cat(parts).cpu()
 
 
 def discrepancy(reference: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
@@ -314,7 +316,9 @@ class Verifier:
                     reference=reference_vector(
                         loss,
                         [
-                            hook.local_fingerprints.get(i, torch.zeros(2, dtype=torch.float64))
+                            hook.local_fingerprints.get(
+                                i, torch.zeros(2, dtype=torch.float64, device=device)
+                            )
                             for i in range(len(self.params))
                         ],
                     ),
