@@ -303,17 +303,14 @@ def judge_vote(fingerprints: list[int], what: str = "weights") -> Finding | None
     )
 
 
-def votes_agree_fast(maxima: Sequence[int], lanes: int) -> bool:
-    """The vote from one all-reduce instead of every rank's fingerprint: True only when every
-    replica holds the same fingerprint, so a False (a disagreement, or an unexpected shape)
-    sends the vote to the gather, which finds the odd ones out.
-
-    maxima (maximum over ranks): [the fingerprint's `lanes` int64 lanes, their bitwise
-    complements]. Every rank holds the same lane iff max(lane) == ~max(~lane) = min(lane).
-    """
-    if lanes < 1 or len(maxima) != 2 * lanes:
+def same_on_every_rank(maxima: Sequence[int], n: int) -> bool:
+    """Whether every rank holds the same n int64 values, from one MAX all-reduce of the values
+    followed by their bitwise complements: max(x) == ~max(~x) = min(x). A False (a difference,
+    or an unexpected shape) sends the round to the gather, which names the odd ranks out. The
+    vote's fast path, and the averaged sketch's agreement in `step_passes_fast`."""
+    if n < 1 or len(maxima) != 2 * n:
         return False
-    return all(maxima[i] == ~maxima[lanes + i] for i in range(lanes))
+    return all(maxima[i] == ~maxima[n + i] for i in range(n))
 
 
 def conservation_bound(
@@ -358,10 +355,10 @@ def step_passes_fast(
     if len(totals) != 4 or len(maxima) != 3 or world < 1:
         return False
     local_nonfinite, reduced_nonfinite, sketch_sum, _l1 = totals
-    reduced_max, reduced_complement_max, abft_max = maxima
+    reduced_max, _, abft_max = maxima
     if local_nonfinite != 0 or reduced_nonfinite != 0:
         return False
-    if reduced_max != ~reduced_complement_max:
+    if not same_on_every_rank(maxima[:2], 1):
         return False
     if not bits_to_float(abft_max) <= 1.0:
         return False

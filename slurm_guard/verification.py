@@ -37,9 +37,9 @@ from slurm_guard.verdicts import (
     judge_reduction,
     judge_replays,
     judge_vote,
+    same_on_every_rank,
     settle_with_third,
     step_passes_fast,
-    votes_agree_fast,
 )
 
 logger = logging.getLogger(__name__)
@@ -106,14 +106,28 @@ def discrepancy(reference: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(worst, nan=float("inf"))
 
 
-def _upload(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host integers as an int64 tensor on `device` without waiting for the device: a blocking
+def _upload(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host numbers as a tensor on `device` without waiting for the device: a blocking
     host-to-device copy synchronises the stream (on CUDA it would wait for the whole backward
     before the verdict round could even be launched)."""
-    host = torch.tensor(values, dtype=torch.int64)
+    host = torch.tensor(values, dtype=dtype)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def _replay_fields(
+    own_grad: int, owner: int, replayed: _Replayed, reduced_grad: int
+) -> tuple[list[int], list[int]]:
+    """The row's replay fields: [OWN_GRAD .. REPLAY_NONFINITE] and [REDUCED_GRAD, REPLAY_FAILED]."""
+    middle = [own_grad, owner, replayed.loss, replayed.grad, int(replayed.nonfinite)]
+    return middle, [reduced_grad, int(replayed.failed)]
+
+
+def _with_complements(values: torch.Tensor) -> torch.Tensor:
+    """int64 values followed by their bitwise complements: what `same_on_every_rank` reads after
+    a MAX all-reduce."""
+    return torch.cat([values, torch.bitwise_not(values)])
 
 
 def _total(values: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -137,9 +151,6 @@ class StepResult:
     finding: Finding | None
     skip_update: bool
     verified: bool = False
-
-
-_Constants = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -194,9 +205,9 @@ class Verifier:
         self.last_loss_bits = 0  # float64 bits of the last checked step's loss (OWN_LOSS)
         self.fast_steps = 0  # steps passed by the fast path, without the row gather
         self.fast_votes = 0  # votes passed by one all-reduce, without the fingerprint gather
-        # per device: a step's row fields that are constants without replay, and the abft
-        # summary without checked GEMMs; made once, so that a plain step uploads nothing
-        self._constants: dict[torch.device, _Constants] = {}
+        # values every plain step sends (the row fields of no replay, the summary of no checked
+        # GEMM), on the device: uploaded once, so that a plain step uploads nothing
+        self._constants: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     @property
     def rank(self) -> int:
@@ -331,12 +342,14 @@ class Verifier:
                 )
             )
             replayed = self._replay(received[owner], key)
-        middle = [own_grad, owner, replayed.loss, replayed.grad, int(replayed.nonfinite)]
-        tail = [reduced_grad, int(replayed.failed)]
         if verify:
-            middle_t, tail_t = _upload(middle, device), _upload(tail, device)
-        else:  # the values a step without replay always has
-            middle_t, tail_t, _ = self._constants_on(device)
+            middle, tail = _replay_fields(own_grad, owner, replayed, reduced_grad)
+            middle_t, tail_t = (
+                _upload(middle, torch.int64, device),
+                _upload(tail, torch.int64, device),
+            )
+        else:  # the values a step without replay always has, uploaded once
+            middle_t, tail_t, _ = self._plain_constants(device)
         if abft is None:
             abft = self._abft_summary(device)
         row = torch.cat(
@@ -396,19 +409,17 @@ class Verifier:
         self.ledger(step, Check.REPLAY, True, detail)
         return StepResult(None, False, verified=True)
 
-    def _constants_on(self, device: torch.device) -> _Constants:
-        """(the row's middle and tail fields of a step without replay, the summary of no checked
-        GEMM) on `device`, uploaded on first use only."""
+    def _plain_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """What every step without replay sends, on `device`, uploaded on first use only: the
+        row's replay fields with nothing replayed, and the summary of no checked GEMM."""
         constants = self._constants.get(device)
         if constants is None:
-            plain = _Replayed()
-            middle = [0, -1, plain.loss, plain.grad, int(plain.nonfinite)]
-            constants = (
-                _upload(middle, device),
-                _upload([0, int(plain.failed)], device),
-                torch.tensor([0.0, -1.0], dtype=torch.float64).to(device),
+            middle, tail = _replay_fields(0, -1, _Replayed(), 0)
+            constants = self._constants[device] = (
+                _upload(middle, torch.int64, device),
+                _upload(tail, torch.int64, device),
+                _upload((0.0, -1.0), torch.float64, device),
             )
-            self._constants[device] = constants
         return constants
 
     def _abft_summary(self, device: torch.device) -> torch.Tensor:
@@ -417,7 +428,7 @@ class Verifier:
             worst = self.abft.collect()
             if worst is not None:
                 return self.abft.summary(worst).to(device)
-        return self._constants_on(device)[2]
+        return self._plain_constants(device)[2]
 
     def _fast_step_passes(
         self,
@@ -431,9 +442,8 @@ class Verifier:
         """A step without replay, judged from two all-reduces of a few values instead of the
         gather of every rank's row (`verdicts.step_passes_fast`); False: gather and judge."""
         totals = torch.cat([flags.to(torch.float64), local_sketch.reshape(1), local_l1.reshape(1)])
-        reduced_bits = _bits(reduced_sketch)
         ratio = torch.nan_to_num(abft[0:1].to(torch.float64), nan=math.inf).clamp_min(0.0)
-        maxima = torch.cat([reduced_bits, torch.bitwise_not(reduced_bits), _bits(ratio)])
+        maxima = torch.cat([_with_complements(_bits(reduced_sketch)), _bits(ratio)])
         sum_bits, highs, own = self.comm.sum_and_max(totals, maxima, _bits(loss))
         sums = [bits_to_float(b) for b in sum_bits]
         self.last_loss_bits = own[0]
@@ -582,8 +592,8 @@ class Verifier:
         fingerprints, which name the odd ones out."""
         if self.world_size >= self.config.fast_path_world:
             lanes = fingerprint.reshape(-1).to(torch.int64)
-            maxima = self.comm.all_max(torch.cat([lanes, torch.bitwise_not(lanes)]), "vote")
-            if votes_agree_fast(maxima, lanes.numel()):
+            maxima = self.comm.all_max(_with_complements(lanes), "vote")
+            if same_on_every_rank(maxima, lanes.numel()):
                 self.fast_votes += 1
                 agreed = lanes_to_int(maxima[: lanes.numel()])
                 self.ledger(step, Check.VOTE, True, {"fingerprint": f"{agreed:016x}"})

@@ -188,7 +188,7 @@ def test_fast_path_passes_only_what_the_row_check_passes() -> None:
 
 
 def test_fast_vote_passes_only_when_every_replica_agrees() -> None:
-    from slurm_guard.verdicts import votes_agree_fast
+    from slurm_guard.verdicts import same_on_every_rank
 
     fingerprints = [[123, 456], [123, 456], [123, 456]]
 
@@ -198,12 +198,12 @@ def test_fast_vote_passes_only_when_every_replica_agrees() -> None:
             max(~fp[i] for fp in fps) for i in range(lanes)
         ]
 
-    assert votes_agree_fast(maxima(fingerprints), 2)
+    assert same_on_every_rank(maxima(fingerprints), 2)
     for rank in range(3):
         for lane in range(2):
             for delta in (1, -1, 1 << 30):  # above or below the others, in either lane
                 odd = [list(fp) for fp in fingerprints]
                 odd[rank][lane] += delta
-                assert not votes_agree_fast(maxima(odd), 2), (rank, lane, delta)
-    assert not votes_agree_fast(maxima(fingerprints)[:3], 2)  # an unexpected shape
-    assert not votes_agree_fast([], 0)
+                assert not same_on_every_rank(maxima(odd), 2), (rank, lane, delta)
+    assert not same_on_every_rank(maxima(fingerprints)[:3], 2)  # an unexpected shape
+    assert not same_on_every_rank([], 0)
