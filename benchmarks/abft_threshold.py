@@ -24,7 +24,7 @@ from _common import table, write_json
 from torch import nn
 
 from slurm_guard.abft import PASSES, attach
-from slurm_guard.abft.checked import HALF_BLOCK
+from slurm_guard.abft.site import HALF_BLOCK
 
 SHAPES = ((64, 32, 128), (512, 256, 1024), (4096, 1024, 1024))
 # name: (parameter and input dtype, autocast dtype or None)

@@ -61,8 +61,8 @@ from workers import SMALL, train_tiny_gpt  # noqa: E402
 
 import slurm_guard as sg  # noqa: E402
 from slurm_guard.examples.tiny_gpt import TinyGPTConfig  # noqa: E402
-from slurm_guard.local_launch import run_local  # noqa: E402
-from slurm_guard.records import read_ledger  # noqa: E402
+from slurm_guard.local.launch import run_local  # noqa: E402
+from slurm_guard.rundir.records import read_ledger  # noqa: E402
 
 INTERVAL = 5  # replay_every = vote_every = checkpoint interval
 DENSE_WEIGHT = 10  # a dense layer's weight: its gradient is never all zeros
@@ -240,7 +240,8 @@ def gemm_worker(scenarios: list[dict[str, Any]]) -> list[dict[str, Any]]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from slurm_guard.abft.checked import PASSES, stored_is_checked
+    from slurm_guard.abft.checksums import stored_is_checked
+    from slurm_guard.abft.site import PASSES
     from slurm_guard.abft.wrap import ATTR
     from slurm_guard.examples.tiny_gpt import TinyGPT, lm_loss, make_batch
 

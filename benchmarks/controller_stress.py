@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO))  # this working tree's slurm_guard, also for the e
 from _common import table, write_json  # noqa: E402
 
 from slurm_guard.controller import Policy, StateStore  # noqa: E402
-from slurm_guard.records import Alarm  # noqa: E402
+from slurm_guard.rundir.records import Alarm  # noqa: E402
 from slurm_guard.slurm.client import SlurmUnavailable  # noqa: E402
 
 EPILOG_SCRIPT = REPO / "epilog" / "slurm-guard-epilog.sh"

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from _common import median, table, write_json
 
-from slurm_guard import fingerprint_fast as ff
-from slurm_guard.fingerprint import Fingerprinter
+from slurm_guard.fingerprint import nh as ff
+from slurm_guard.fingerprint.tree import Fingerprinter
 from slurm_guard.kernels import bucket as kb
 from slurm_guard.kernels import sketch as sk
 

@@ -79,8 +79,8 @@ def interpreter_part() -> dict[str, Any]:
         import triton  # noqa: F401
     except ImportError:
         return {"ok": True, "skipped": "triton not installed (pip install slurm-guard[gpu])"}
-    from slurm_guard import fingerprint_fast as ff
-    from slurm_guard.fingerprint import as_int
+    from slurm_guard.fingerprint import nh as ff
+    from slurm_guard.fingerprint.tree import as_int
     from slurm_guard.kernels import sketch as sk
     from slurm_guard.kernels import triton_kernels as tk
 
@@ -104,8 +104,8 @@ def interpreter_part() -> dict[str, Any]:
 
 
 def identity_part(quick: bool) -> dict[str, Any]:
-    from slurm_guard import fingerprint_fast as ff
-    from slurm_guard.fingerprint import as_int
+    from slurm_guard.fingerprint import nh as ff
+    from slurm_guard.fingerprint.tree import as_int
     from slurm_guard.kernels import bucket as kb
     from slurm_guard.kernels import sketch as sk
 
@@ -162,7 +162,7 @@ def _cuda_time(fn: Any, reps: int) -> float:
 
 
 def bandwidth_part(quick: bool) -> dict[str, Any]:
-    from slurm_guard import fingerprint_fast as ff
+    from slurm_guard.fingerprint import nh as ff
     from slurm_guard.kernels import bucket as kb
     from slurm_guard.kernels import sketch as sk
 
@@ -210,7 +210,7 @@ def steps_part(rounds: int) -> dict[str, Any]:
 
     import slurm_guard as sg
     from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
-    from slurm_guard.local_launch import free_port
+    from slurm_guard.local.launch import free_port
 
     torch.backends.cuda.matmul.allow_tf32 = True
     cfg = TinyGPTConfig(vocab=50304, context=512, width=1024, heads=16, layers=24, dropout=0.0)

@@ -110,7 +110,7 @@ def one_repetition(
     from slurm_guard.drill.slurm import usable_node
     from slurm_guard.drill.stages import FAULT_SPEC
     from slurm_guard.examples.train import read_events, read_result
-    from slurm_guard.polling import poll
+    from slurm_guard.slurm.polling import poll
 
     rep_dir = work / f"rep{rep}"
     run, state = rep_dir / "run", rep_dir / "state"
@@ -222,7 +222,7 @@ def main() -> None:
 
     from support.local_cluster import LocalCluster, find_free_port_base, missing_binaries
 
-    from slurm_guard.local_launch import free_port
+    from slurm_guard.local.launch import free_port
     from slurm_guard.slurm.client import CommandSlurmClient
 
     missing = missing_binaries(accounting=False)

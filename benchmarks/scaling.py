@@ -3,7 +3,8 @@
 For each world size W (2..8 local gloo processes, each rank its own "node" via SLURMD_NODENAME)
 the checks' communication is timed with the guard's own code paths and tensor sizes:
 
-* verdict gather: `Collective.all_gather_rows` (slurm_guard.collective) of the `check_step` row,
+* verdict gather: `Collective.all_gather_rows` (slurm_guard.comm.collective) of the
+  `check_step` row,
   ROW = 15 int64 per rank, every step: one all_gather_into_tensor and one host read of the W rows;
 * watchdog arrival: `Collective.arrive` (every step, and before a verification's verdicts): per
   rank one set, one add, one wait and one get on the TCPStore that rank 0 hosts;
@@ -47,17 +48,18 @@ import torch
 import torch.distributed as dist
 from _common import median, table, write_json
 
-from slurm_guard import verification as ver
-from slurm_guard.collective import Collective
+from slurm_guard.checks import verifier as ver
+from slurm_guard.checks.comm_hook import HookState, SignVectors
+from slurm_guard.checks.consistency import judge_vote
+from slurm_guard.checks.replay import Captured, ReplayOutput, capture, exchange, pack
+from slurm_guard.checks.verdicts import bits_to_float, judge_reduced_nonfinite
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.config import GuardConfig
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, make_batch
-from slurm_guard.fingerprint import Fingerprinter
-from slurm_guard.hooks import HookState, SignVectors
+from slurm_guard.fingerprint.tree import Fingerprinter
 from slurm_guard.kernels.bucket import backend, bucket_check
-from slurm_guard.records import RankInfo
-from slurm_guard.replay import Captured, ReplayOutput, capture, exchange, pack
-from slurm_guard.topology import Topology, gather_rank_infos, local_rank_info
-from slurm_guard.verdicts import bits_to_float, judge_reduced_nonfinite, judge_vote
+from slurm_guard.rundir.records import RankInfo
 
 # The step_overhead.py model and batch, so the replay payload is the one timed there.
 MODEL = TinyGPTConfig(vocab=64, context=64, width=256, heads=4, layers=4, dropout=0.1)
@@ -479,7 +481,7 @@ def main() -> None:
 
 
 def run_local_checked(world: int, rounds: int, nodes: list[str]) -> list[dict[str, Any]]:
-    from slurm_guard.local_launch import run_local
+    from slurm_guard.local.launch import run_local
 
     outcomes = run_local(_worker, world, (rounds,), nodes=nodes, timeout=600)
     bad = [o for o in outcomes if o.status != "ok"]

@@ -39,8 +39,8 @@ from _common import RESULTS, environment, table  # noqa: E402
 from workers import SMALL, run_scenarios  # noqa: E402
 
 import slurm_guard as sg  # noqa: E402
-from slurm_guard.local_launch import run_local  # noqa: E402
-from slurm_guard.records import read_ledger  # noqa: E402
+from slurm_guard.local.launch import run_local  # noqa: E402
+from slurm_guard.rundir.records import read_ledger  # noqa: E402
 
 
 def count(run_dir: Path, world: int) -> dict[str, Any]:

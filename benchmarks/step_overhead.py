@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import slurm_guard as sg
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
-from slurm_guard.local_launch import run_local
+from slurm_guard.local.launch import run_local
 
 K = 10
 HUGE = 1_000_000
@@ -86,7 +86,7 @@ class LegacyCheck:
 
 
 def _with_legacy_hook(step: Callable[[Any], object]) -> Callable[[Any], object]:
-    import slurm_guard.hooks as hooks
+    import slurm_guard.checks.comm_hook as hooks
 
     legacy = LegacyCheck()
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from slurm_guard.errors import GuardError
 
 if TYPE_CHECKING:
-    from slurm_guard.faults import Fault
+    from slurm_guard.faults.injection import Fault
 
 
 class ConfigError(GuardError, ValueError):
@@ -203,11 +203,11 @@ class GuardConfig:
             raise ConfigError(
                 f"GuardConfig.faults={faults!r}: must be a tuple of Fault objects, e.g. "
                 "(Fault('nan', rank=1, step=5),); for a 'kind=nan,...' string use "
-                "slurm_guard.faults.parse_faults or SLURM_GUARD_INJECT"
+                "slurm_guard.faults.injection.parse_faults or SLURM_GUARD_INJECT"
             )
         if not faults:
             return
-        from slurm_guard.faults import Fault  # imports torch: only when faults are given
+        from slurm_guard.faults.injection import Fault  # imports torch: only when faults are given
 
         for fault in faults:
             if not isinstance(fault, Fault):

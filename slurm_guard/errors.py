@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from slurm_guard.protocol import EXIT_SDC
 
 if TYPE_CHECKING:
-    from slurm_guard.records import Alarm
+    from slurm_guard.rundir.records import Alarm
 
 
 __all__ = ["EXIT_SDC", "GuardError", "SilentDataCorruption"]

@@ -23,10 +23,10 @@ from workers import SMALL
 
 import slurm_guard as sg
 
-# slurm_guard.collective is imported where used, so that the hang scenarios also run against
+# slurm_guard.comm.collective is imported where used, so that the hang scenarios also run against
 # the code before it existed (to show that they hung there)
 from slurm_guard.examples.tiny_gpt import TinyGPT, lm_loss, make_batch
-from slurm_guard.records import read_json_file
+from slurm_guard.rundir.records import read_json_file
 
 
 class _Lines(logging.Handler):
@@ -142,7 +142,7 @@ def replay_that_raises(run_dir: str, bad_rank: int) -> dict[str, Any]:
 
 def agree_on_failure(failing_rank: int) -> dict[str, Any]:
     """collective.agree around work that raises on one rank only."""
-    from slurm_guard.collective import Collective
+    from slurm_guard.comm.collective import Collective
 
     comm = Collective(None, f"node{dist.get_rank() + 1}", watchdog_seconds=30)
 
@@ -252,7 +252,7 @@ def checked_devices(run_dir: str, declared: str) -> dict[str, Any]:
     Returns the collective's host reads per step, so that the test sees one device-to-host copy
     per round.
     """
-    from slurm_guard.collective import check_devices
+    from slurm_guard.comm.devices import check_devices
 
     rank = dist.get_rank()
 
@@ -272,7 +272,7 @@ def checked_devices(run_dir: str, declared: str) -> dict[str, Any]:
 def p2p_on_subgroup() -> dict[str, Any]:
     """A Collective on the subgroup of global ranks [1, 2]: group rank 0 sends to group rank 1.
     With global ranks passed through unmapped, global rank 1 would send to itself."""
-    from slurm_guard.collective import Collective
+    from slurm_guard.comm.collective import Collective
 
     sub = dist.new_group([1, 2])  # every rank creates it, members or not
     if dist.get_rank() == 0:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slurm_guard.fingerprint import Fingerprinter
-from slurm_guard.sharded import local_grads_finite, replica_vote
+from slurm_guard.fingerprint.tree import Fingerprinter
+from slurm_guard.sharded.vote import local_grads_finite, replica_vote
 
 
 def hsdp_run(replicas: int, shards: int, corrupt_rank: int, steps: int = 4) -> dict[str, Any]:

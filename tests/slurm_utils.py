@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from slurm_guard.polling import poll
+from slurm_guard.slurm.polling import poll
 
 T = TypeVar("T")
 
@@ -17,7 +17,7 @@ def wait_for(
     interval: float = 0.05,
     max_interval: float = 0.5,
 ) -> T:
-    """`slurm_guard.polling.poll` (the project's one polling helper), with a timeout that
+    """`slurm_guard.slurm.polling.poll` (the project's one polling helper), with a timeout that
     fails the test as an AssertionError naming `what` and the last value seen, which usually
     tells the reader which Slurm state the test was stuck in."""
     try:

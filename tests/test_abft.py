@@ -22,10 +22,11 @@ from slurm_guard.abft import (
     residual_bound,
     roundoff,
 )
-from slurm_guard.abft.checked import HALF_BLOCK, signs
+from slurm_guard.abft.checksums import signs
+from slurm_guard.abft.site import HALF_BLOCK
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
-from slurm_guard.faults import FaultInjector, parse_faults
-from slurm_guard.local_launch import run_local
+from slurm_guard.faults.injection import FaultInjector, parse_faults
+from slurm_guard.local.launch import run_local
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:

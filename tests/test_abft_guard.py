@@ -11,8 +11,8 @@ import torch
 from workers import SMALL, run_scenarios
 
 import slurm_guard as sg
-from slurm_guard.local_launch import run_local
-from slurm_guard.records import read_ledger
+from slurm_guard.local.launch import run_local
+from slurm_guard.rundir.records import read_ledger
 
 pytestmark = pytest.mark.distributed
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from slurm_guard.abft import PASSES, attach
 from slurm_guard.abft.bounds import SUM_GROUP
-from slurm_guard.abft.checked import _checksums, _col_checksums, native_stats, signs
+from slurm_guard.abft.checksums import block_checksums, col_checksums, native_stats, signs
 from slurm_guard.kernels import abft_native as nk
 from slurm_guard.kernels import native as nat
 
@@ -116,8 +116,8 @@ def test_stats_agree_with_torch_sums(n: int, d: int, block: int) -> None:
     assert st.rows is not None and st.cols is not None
     u32 = 2.0**-24
     for got, exact, spec, magnitude in (
-        (st.rows, rows64, _checksums(a, block), magnitude_rows),
-        (st.cols, cols64, _col_checksums(a, block), magnitude_cols),
+        (st.rows, rows64, block_checksums(a, block), magnitude_rows),
+        (st.cols, cols64, col_checksums(a, block), magnitude_cols),
     ):
         allowed = u32 * exact.abs() + (SUM_GROUP - 1) * u32 * magnitude
         assert bool(((got.double() - exact).abs() <= allowed * 1.001).all())

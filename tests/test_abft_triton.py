@@ -34,7 +34,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from slurm_guard.abft.bounds import factors, roundoff
-from slurm_guard.abft.checked import signs
+from slurm_guard.abft.checksums import signs
 from slurm_guard.kernels import abft_native as nk
 from slurm_guard.kernels import abft_triton as at
 from slurm_guard.kernels import triton_kernels as tk

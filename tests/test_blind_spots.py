@@ -10,7 +10,7 @@ import torch
 from workers import run_scenarios
 
 import slurm_guard as sg
-from slurm_guard.local_launch import run_local
+from slurm_guard.local.launch import run_local
 
 pytestmark = pytest.mark.distributed
 
@@ -56,7 +56,7 @@ def test_wrong_value_inside_the_all_reduce_is_caught_on_that_step(tmp_path: Path
 
 
 def test_conservation_bound_is_not_a_magic_constant() -> None:
-    from slurm_guard.verdicts import conservation_bound
+    from slurm_guard.checks.consistency import conservation_bound
 
     eps32 = torch.finfo(torch.float32).eps / 2
     small = conservation_bound([1.0, 1.0], eps32, 1000)

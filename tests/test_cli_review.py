@@ -22,8 +22,8 @@ from slurm_guard.cli import main
 from slurm_guard.controller.engine import Engine
 from slurm_guard.controller.policy import Policy, foreign_node
 from slurm_guard.controller.state import StateStore
-from slurm_guard.records import Alarm
-from slurm_guard.rundir import RunDir
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import Alarm
 from slurm_guard.slurm.dry_run import DryRunSlurm
 from slurm_guard.slurm.parsers import JobInfo, NodeInfo
 

@@ -28,10 +28,10 @@ from slurm_guard.controller.engine import Engine
 from slurm_guard.controller.policy import Policy
 from slurm_guard.controller.state import StateStore
 from slurm_guard.controller.status_view import lineage_passes
-from slurm_guard.local_launch import run_local
-from slurm_guard.records import LedgerEntry, atomic_write_json, read_alarm
-from slurm_guard.recovery import choose_resume_point
-from slurm_guard.rundir import RunDir
+from slurm_guard.local.launch import run_local
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import LedgerEntry, atomic_write_json, read_alarm
+from slurm_guard.rundir.recovery import choose_resume_point
 from slurm_guard.slurm.dry_run import DryRunSlurm
 from slurm_guard.slurm.parsers import JobInfo, NodeInfo
 

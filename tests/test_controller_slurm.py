@@ -28,8 +28,8 @@ from slurm_guard.controller.engine import Engine
 from slurm_guard.controller.policy import Policy
 from slurm_guard.controller.state import StateStore
 from slurm_guard.errors import EXIT_SDC
-from slurm_guard.records import Alarm
-from slurm_guard.rundir import RunDir
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import Alarm
 from slurm_guard.slurm.client import CommandSlurmClient, JobInfo
 
 pytestmark = pytest.mark.slurm
@@ -54,8 +54,8 @@ sleep 120
 
 WRITE_ALARM = """
 import sys, time
-from slurm_guard.records import Alarm
-from slurm_guard.rundir import RunDir
+from slurm_guard.rundir.records import Alarm
+from slurm_guard.rundir.layout import RunDir
 run, job, node = sys.argv[1:4]
 rd = RunDir(run); rd.ensure()
 rd.write_alarm(Alarm(alarm_id="a-" + job, job_id=job, restart_count=0, step=340, check="replay",

@@ -29,8 +29,8 @@ from slurm_guard.controller.policy import (
 )
 from slurm_guard.controller.state import StateStore
 from slurm_guard.controller.watch import scan_once
-from slurm_guard.records import Alarm
-from slurm_guard.rundir import RunDir
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import Alarm
 from slurm_guard.slurm.client import JobInfo, NodeInfo, SlurmUnavailable
 
 

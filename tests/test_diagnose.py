@@ -20,22 +20,24 @@ from click.testing import CliRunner, Result
 
 from slurm_guard.cli import main
 from slurm_guard.cli.evidence import EXIT_DIAGNOSIS_FAILED
-from slurm_guard.diagnose import DiagnoseConfig, faults_for_diagnose, run_diagnosis
-from slurm_guard.errors import GuardError
-from slurm_guard.evidence import (
+from slurm_guard.diagnose.burn_in import DiagnoseConfig, faults_for_diagnose, run_diagnosis
+from slurm_guard.diagnose.evidence import (
     GOLDEN_MATCH,
     GOLDEN_MISMATCH,
     GOLDEN_RECORDED,
-    confirmed_since,
-    diagnosis_summary,
     latest_diagnosis,
-    node_history,
     parse_diagnosis,
     read_diagnoses,
+)
+from slurm_guard.diagnose.history import (
+    confirmed_since,
+    diagnosis_summary,
+    node_history,
     return_blockers,
 )
-from slurm_guard.faults import parse_faults
-from slurm_guard.records import RecordError
+from slurm_guard.errors import GuardError
+from slurm_guard.faults.injection import parse_faults
+from slurm_guard.rundir.records import RecordError
 
 SMALL = ["--size", "48", "--seeds", "1", "--duration", "0", "--threads", "1"]
 PERSISTENT = "kind=diagnose-gemm,node=node2,step=0,persistent=1"

@@ -25,7 +25,7 @@ from test_controller_slurm import (
     wait_running_without,
 )
 
-from slurm_guard.rundir import RunDir
+from slurm_guard.rundir.layout import RunDir
 from slurm_guard.slurm.client import CommandSlurmClient
 
 pytestmark = pytest.mark.slurm

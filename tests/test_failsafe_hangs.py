@@ -26,7 +26,7 @@ from failsafe_workers import (
 
 import slurm_guard as sg
 from slurm_guard.config import ConfigError
-from slurm_guard.local_launch import RankOutcome, run_local
+from slurm_guard.local.launch import RankOutcome, run_local
 
 NODES = ["node1", "node2", "node3"]
 HARD_TIMEOUT = 150.0  # run_local kills the ranks after this: a regression fails, never hangs
@@ -177,9 +177,9 @@ def test_config_accepts_the_right_types() -> None:
 def test_node_fault_on_a_single_host_run_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
     """Issue 13: under single-host torchrun every rank is on one node, so a node fault hits
     every replica alike and no replay or vote can see it."""
-    from slurm_guard.records import RankInfo
-    from slurm_guard.setup_checks import announce_faults
-    from slurm_guard.topology import Topology
+    from slurm_guard.comm.topology import Topology
+    from slurm_guard.core.setup import announce_faults
+    from slurm_guard.rundir.records import RankInfo
 
     one_host = Topology.build([RankInfo(r, "box", "box") for r in range(3)])
     three = Topology.build([RankInfo(r, f"n{r}", f"n{r}") for r in range(3)])

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from rundir_workers import CONFIG, chown_tree, fault_config, make_template, run_cases
 
-from slurm_guard.local_launch import RankOutcome, run_local
+from slurm_guard.local.launch import RankOutcome, run_local
 from slurm_guard.protocol import ALARM_SCHEMA
-from slurm_guard.rundir import RunDir
+from slurm_guard.rundir.layout import RunDir
 
 pytestmark = pytest.mark.distributed
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slurm_guard.faults import _flip_bit
-from slurm_guard.fingerprint import Fingerprinter, as_int
+from slurm_guard.faults.injection import _flip_bit
+from slurm_guard.fingerprint.tree import Fingerprinter, as_int
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from slurm_guard import fingerprint_fast as ff
-from slurm_guard.fingerprint import as_int
+from slurm_guard.fingerprint import nh as ff
+from slurm_guard.fingerprint.tree import as_int
 
 SEED = 1234
 Hash = Callable[[torch.Tensor], int]
@@ -199,7 +199,7 @@ def test_torch_fallback_when_native_is_disabled() -> None:
     """SLURM_GUARD_NATIVE=0 (or no compiler) selects the torch path: same value."""
     code = (
         "import torch; from slurm_guard import fingerprint_fast as ff; "
-        "from slurm_guard.fingerprint import as_int; "
+        "from slurm_guard.fingerprint.tree import as_int; "
         "print(ff.backend(), as_int(ff.FastFingerprinter(5).tensor(torch.arange(5000.0))))"
     )
     env = {"SLURM_GUARD_NATIVE": "0", "PATH": "/usr/bin:/bin"}

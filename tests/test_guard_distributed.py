@@ -10,9 +10,9 @@ import torch
 from workers import run_scenarios
 
 import slurm_guard as sg
-from slurm_guard.faults import BACKWARD_KINDS, KINDS
-from slurm_guard.local_launch import RankOutcome, run_local
-from slurm_guard.records import read_ledger
+from slurm_guard.faults.injection import BACKWARD_KINDS, KINDS
+from slurm_guard.local.launch import RankOutcome, run_local
+from slurm_guard.rundir.records import read_ledger
 
 pytestmark = pytest.mark.distributed
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import slurm_guard as sg
-from slurm_guard.faults import parse_faults
-from slurm_guard.guard import check_run_dir
-from slurm_guard.replay import Captured, any_nonfinite, pack, unpack
+from slurm_guard.checks.replay import Captured, any_nonfinite, pack, unpack
+from slurm_guard.core.setup import check_run_dir
+from slurm_guard.faults.injection import parse_faults
 
 
 @pytest.mark.parametrize(
@@ -54,7 +54,7 @@ def test_read_only_run_dir() -> None:
     ro.chmod(0o555)
     code = (
         "import os, sys\n"
-        "from slurm_guard.guard import check_run_dir\n"
+        "from slurm_guard.core.setup import check_run_dir\n"
         "os.setgid(65534); os.setuid(65534)\n"
         f"check_run_dir(__import__('pathlib').Path({str(ro)!r}))\n"
     )

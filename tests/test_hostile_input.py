@@ -36,14 +36,15 @@ from slurm_guard.controller.intake import (
 )
 from slurm_guard.controller.policy import Policy
 from slurm_guard.controller.state import StateStore
-from slurm_guard.records import (
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import (
     RecordError,
     parse_alarm,
     read_alarm,
     read_json_file,
     read_ledger,
 )
-from slurm_guard.rundir import RunDir, parse_checkpoint_meta
+from slurm_guard.rundir.trust import parse_checkpoint_meta
 
 FUZZ = settings(
     max_examples=100,
@@ -289,7 +290,7 @@ _BOUNDED = """
 import resource, sys, time
 resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))  # the old reader ate 3 GB in 3 s
 from pathlib import Path
-from slurm_guard.records import LedgerEntry, append_ledger, read_ledger
+from slurm_guard.rundir.records import LedgerEntry, append_ledger, read_ledger
 path = Path(sys.argv[1])
 entries = read_ledger(path)
 try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from slurm_guard import fingerprint_fast as ff
+from slurm_guard.fingerprint import nh as ff
 from slurm_guard.kernels import bucket as kb
 from slurm_guard.kernels import native as nat
 from slurm_guard.kernels import sketch as sk
@@ -219,7 +219,7 @@ def test_large_finite_values_never_overflow_the_float64_sums() -> None:
 @needs_native
 def test_conservation_holds_within_the_stated_rounding() -> None:
     """mean of the local sketches vs the sketch of the averaged bucket: drift below the bound."""
-    from slurm_guard.verdicts import conservation_bound
+    from slurm_guard.checks.consistency import conservation_bound
 
     gen = torch.Generator().manual_seed(11)
     local = [torch.randn(300_000, generator=gen) * 10 ** (k - 1) for k in range(3)]

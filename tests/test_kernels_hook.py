@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from slurm_guard.fingerprint import Fingerprinter
-from slurm_guard.hooks import HookState, SignVectors, guard_comm_hook
+from slurm_guard.checks.comm_hook import HookState, SignVectors, guard_comm_hook
+from slurm_guard.fingerprint.tree import Fingerprinter
 from slurm_guard.kernels import bucket as kb
 from slurm_guard.kernels import sketch as sk
-from slurm_guard.local_launch import run_local
+from slurm_guard.local.launch import run_local
 
 pytestmark = pytest.mark.distributed
 

@@ -18,12 +18,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from slurm_guard import fingerprint_fast as ff
-from slurm_guard.fingerprint import as_int
+from slurm_guard.checks.consistency import conservation_bound
+from slurm_guard.fingerprint import nh as ff
+from slurm_guard.fingerprint.tree import as_int
 from slurm_guard.kernels import bucket as kb
 from slurm_guard.kernels import sketch as sk
 from slurm_guard.kernels import triton_kernels as tk
-from slurm_guard.verdicts import conservation_bound
 
 if os.environ.get("SLURM_GUARD_REQUIRE_TRITON") == "1":
     import triton  # noqa: F401  (CI installs it: a missing Triton is a failure there, not a skip)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from slurm_guard.local_launch import free_port
+from slurm_guard.local.launch import free_port
 from slurm_guard.slurm.launch import (
     ADDR_ENV,
     PORT_BASE,

@@ -20,7 +20,7 @@ from slurm_guard.controller.metrics import render, update_metrics, write_metrics
 from slurm_guard.controller.policy import Policy, PolicyError
 from slurm_guard.controller.state import StateStore
 from slurm_guard.controller.watch import scan_once
-from slurm_guard.evidence import CaseResult, Diagnosis, record_diagnosis
+from slurm_guard.diagnose.evidence import CaseResult, Diagnosis, record_diagnosis
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 
 from slurm_guard.cli import main
-from slurm_guard.records import Alarm, LedgerEntry, append_ledger, atomic_write_json
 from slurm_guard.report import read_timeline, write_report
 from slurm_guard.report.html import render_page
+from slurm_guard.rundir.records import Alarm, LedgerEntry, append_ledger, atomic_write_json
 
 ALARM_ID = "job77-r0-step20-replay"
 T0 = 1_790_000_000.0

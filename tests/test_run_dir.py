@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slurm_guard.records import (
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import (
     Alarm,
     LedgerEntry,
     RecordError,
@@ -21,7 +22,7 @@ from slurm_guard.records import (
     read_alarm,
     read_ledger,
 )
-from slurm_guard.rundir import CheckpointMeta, RunDir, choose_trusted_checkpoint
+from slurm_guard.rundir.trust import CheckpointMeta, choose_trusted_checkpoint
 
 
 def alarm(**kw: object) -> Alarm:
@@ -151,7 +152,7 @@ def test_quarantine_moves_never_deletes(tmp_path: Path) -> None:
 
 
 def test_trust_limit_requires_that_many_passing_replays_after_the_checkpoint() -> None:
-    from slurm_guard.rundir import trust_limit
+    from slurm_guard.rundir.trust import trust_limit
 
     assert trust_limit(15, [0, 5, 10, 15], 1) == 15
     assert trust_limit(15, [0, 5, 10, 15], 2) == 10
@@ -168,7 +169,7 @@ def test_trust_limit_requires_that_many_passing_replays_after_the_checkpoint() -
 
 
 def test_alarm_ids_differ_between_attempts_of_the_same_job_restart_and_step() -> None:
-    from slurm_guard.records import make_alarm_id, new_attempt_id
+    from slurm_guard.rundir.records import make_alarm_id, new_attempt_id
 
     attempts = {new_attempt_id() for _ in range(1000)}
     assert len(attempts) == 1000
@@ -201,7 +202,7 @@ def test_lost_alarm_marks_round_trip(tmp_path: Path) -> None:
 
 
 def test_lock_staleness_rule() -> None:
-    from slurm_guard.run_lock import STALE_AFTER_S, LockHolder, stale_reason
+    from slurm_guard.rundir.lock import STALE_AFTER_S, LockHolder, stale_reason
 
     me = LockHolder("7", 2, "aaaa", "hostA", os.getpid())
     sleeper = subprocess.Popen(["sleep", "60"])
@@ -230,8 +231,8 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
 ) -> None:
     import socket
 
-    from slurm_guard.run_lock import RunLock
-    from slurm_guard.rundir import RunDirError
+    from slurm_guard.rundir.layout import RunDirError
+    from slurm_guard.rundir.lock import RunLock
 
     rd = RunDir(tmp_path)
     sleeper = subprocess.Popen(["sleep", "60"])
@@ -243,7 +244,7 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
     finally:
         sleeper.kill()
         sleeper.wait()
-    with caplog.at_level("WARNING", logger="slurm_guard.run_lock"):
+    with caplog.at_level("WARNING", logger="slurm_guard.rundir.lock"):
         lock = RunLock.acquire(rd, job_id="6", restart_count=0, attempt="mine")
     assert "taking over the lock" in caplog.text and "has exited" in caplog.text
     assert lock.held() and json.loads(rd.lock_file.read_text())["attempt"] == "mine"
@@ -252,9 +253,9 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(
 
 
 def test_identity_is_created_once_and_a_lost_one_is_refused(tmp_path: Path) -> None:
-    from slurm_guard.records import atomic_write_json
-    from slurm_guard.run_identity import establish_identity
-    from slurm_guard.rundir import RunDirError
+    from slurm_guard.rundir.identity import establish_identity
+    from slurm_guard.rundir.layout import RunDirError
+    from slurm_guard.rundir.records import atomic_write_json
 
     rd = RunDir(tmp_path)
     first = establish_identity(rd, job_id=None, fresh=False)
@@ -273,7 +274,7 @@ def test_identity_is_created_once_and_a_lost_one_is_refused(tmp_path: Path) -> N
 
 
 def test_staging_dirs_are_per_attempt_and_stale_ones_are_removed(tmp_path: Path) -> None:
-    from slurm_guard.checkpoint import staging_dir
+    from slurm_guard.rundir.checkpoint import staging_dir
 
     rd = RunDir(tmp_path)
     rd.ensure()
@@ -287,8 +288,8 @@ def test_staging_dirs_are_per_attempt_and_stale_ones_are_removed(tmp_path: Path)
 
 
 def test_resume_plan_fails_closed_and_honours_lost_alarms(tmp_path: Path) -> None:
-    from slurm_guard.recovery import plan_resume
-    from slurm_guard.rundir import RunDirError
+    from slurm_guard.rundir.layout import RunDirError
+    from slurm_guard.rundir.recovery import plan_resume
 
     rd = RunDir(tmp_path)
     rd.ensure()
@@ -318,7 +319,7 @@ def test_a_checkpoint_meta_for_another_step_is_damaged(tmp_path: Path) -> None:
 
 
 def test_markers_name_the_ranks_that_do_not_see_every_marker(tmp_path: Path) -> None:
-    from slurm_guard.run_identity import (
+    from slurm_guard.rundir.identity import (
         markers_problem,
         markers_seen,
         prepare_markers,
@@ -346,7 +347,7 @@ def test_the_controller_decides_every_alarm_of_a_job_id_used_twice(tmp_path: Pat
     from slurm_guard.controller.engine import Engine
     from slurm_guard.controller.policy import Policy
     from slurm_guard.controller.state import StateStore
-    from slurm_guard.records import make_alarm_id, new_attempt_id
+    from slurm_guard.rundir.records import make_alarm_id, new_attempt_id
 
     slurm = FakeSlurm()
     slurm.add_job("100", ("node1", "node2", "node3"))

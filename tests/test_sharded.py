@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from sharded_workers import hsdp_run
 
-from slurm_guard.local_launch import run_local
+from slurm_guard.local.launch import run_local
 
 pytestmark = pytest.mark.distributed
 

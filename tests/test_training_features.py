@@ -9,8 +9,8 @@ import torch
 from feature_workers import features_run, poisoned_data
 
 import slurm_guard as sg
-from slurm_guard.local_launch import run_local
-from slurm_guard.records import read_ledger
+from slurm_guard.local.launch import run_local
+from slurm_guard.rundir.records import read_ledger
 
 pytestmark = pytest.mark.distributed
 

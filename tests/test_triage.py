@@ -13,14 +13,14 @@ from triage_workers import triage_raises
 from workers import SMALL, run_scenarios
 
 import slurm_guard as sg
+from slurm_guard.checks.triage import MAX_RUNS, effective_budget, plan, repeat
+from slurm_guard.checks.verdicts import Finding
+from slurm_guard.comm.topology import Topology
 from slurm_guard.config import ConfigError
-from slurm_guard.evidence import node_history
-from slurm_guard.local_launch import run_local
+from slurm_guard.diagnose.history import node_history
+from slurm_guard.local.launch import run_local
 from slurm_guard.protocol import Check, Verdict
-from slurm_guard.records import RankInfo
-from slurm_guard.topology import Topology
-from slurm_guard.triage import MAX_RUNS, effective_budget, plan, repeat
-from slurm_guard.verdicts import Finding
+from slurm_guard.rundir.records import RankInfo
 
 NODES = ["node1", "node2", "node3"]
 FAULTY = 1
@@ -248,8 +248,8 @@ def test_on_a_real_cluster_a_persistent_fault_reproduces_and_a_one_off_does_not(
     from slurm_utils import wait_for
 
     from slurm_guard.examples.train import TrainSettings, slurm_task
-    from slurm_guard.records import read_alarm
-    from slurm_guard.rundir import RunDir
+    from slurm_guard.rundir.layout import RunDir
+    from slurm_guard.rundir.records import read_alarm
     from slurm_guard.slurm.launch import launch
 
     faults = {

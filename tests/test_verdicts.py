@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from slurm_guard.records import RankInfo
-from slurm_guard.topology import Topology
-from slurm_guard.verdicts import (
+from slurm_guard.checks.consistency import judge_vote
+from slurm_guard.checks.verdicts import (
     ReplayResult,
     judge_nonfinite,
     judge_reduced_nonfinite,
     judge_replays,
-    judge_vote,
     settle_with_third,
 )
+from slurm_guard.comm.topology import Topology
+from slurm_guard.rundir.records import RankInfo
 
 
 def topo(nodes: list[str]) -> Topology:
@@ -113,7 +113,7 @@ def test_reduced_overflow_is_numerical_only_when_magnitudes_allow_it() -> None:
 
 
 def test_reduction_consistency_and_conservation() -> None:
-    from slurm_guard.verdicts import judge_reduction
+    from slurm_guard.checks.consistency import judge_reduction
 
     bits = 4607182418800017408  # 1.0 as float64 bits
     assert judge_reduction([1.0, 1.0, 1.0], [3.0] * 3, [bits] * 3, bound=1e-6) is None
@@ -133,7 +133,7 @@ def test_conservation_bound_counts_fp16_underflow_and_buckets() -> None:
     import pytest
     import torch
 
-    from slurm_guard.verdicts import conservation_bound
+    from slurm_guard.checks.consistency import conservation_bound
 
     half = torch.finfo(torch.float16)
     eta = half.smallest_normal * half.eps / 2
@@ -155,7 +155,7 @@ def _float_bits(x: float) -> int:
 def test_fast_path_passes_only_what_the_row_check_passes() -> None:
     """The per-step fast path (sums and maxima over ranks) against the row check it replaces:
     the same clean step passes both; each thing the rows would flag sends the step to them."""
-    from slurm_guard.verdicts import conservation_bound, judge_reduction, step_passes_fast
+    from slurm_guard.checks.consistency import conservation_bound, judge_reduction, step_passes_fast
 
     world, local, l1 = 3, [0.25, -0.5, 1.75], [3.0, 3.0, 3.0]
     mean = sum(local) / world
@@ -188,7 +188,7 @@ def test_fast_path_passes_only_what_the_row_check_passes() -> None:
 
 
 def test_fast_vote_passes_only_when_every_replica_agrees() -> None:
-    from slurm_guard.verdicts import same_on_every_rank
+    from slurm_guard.checks.consistency import same_on_every_rank
 
     fingerprints = [[123, 456], [123, 456], [123, 456]]
 

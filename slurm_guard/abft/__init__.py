@@ -15,8 +15,9 @@ checked, `coverage.py` for the share of the model's matmul FLOPs that is.
 from __future__ import annotations
 
 from slurm_guard.abft.bounds import Roundoff, residual_bound, roundoff, unit_roundoff
-from slurm_guard.abft.checked import FWD, GRAD_W, GRAD_X, PASSES, CheckedGemm, Site
+from slurm_guard.abft.checked import CheckedGemm
 from slurm_guard.abft.coverage import Coverage, measure_coverage
+from slurm_guard.abft.site import FWD, GRAD_W, GRAD_X, PASSES, Site
 from slurm_guard.abft.wrap import Abft, Finding, attach, is_conv1d
 
 __all__ = [

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from slurm_guard.abft.checked import PASSES, CheckedGemm, Injector, Site
+from slurm_guard.abft.checked import CheckedGemm
+from slurm_guard.abft.site import PASSES, Injector, Site
 
 ATTR = "_slurm_guard_abft"
 DEFAULT_MARGIN = 10.0

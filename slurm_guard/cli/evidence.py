@@ -10,15 +10,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import click
 
 from slurm_guard.protocol import DEFAULT_STATE_DIR
-from slurm_guard.records import RecordError
+from slurm_guard.rundir.records import RecordError
 
 if TYPE_CHECKING:
-    from slurm_guard.evidence import Diagnosis
+    from slurm_guard.diagnose.evidence import Diagnosis
 
 EXIT_DIAGNOSIS_FAILED = 3
 """`diagnose` found the node faulty. 1 stays "could not diagnose" (an error with a message)."""
@@ -187,7 +187,7 @@ def diagnose_cmd(
     threads: int | None,
     state_dir: Path,
     no_record: bool,
-    import_file: click.utils.LazyFile | None,
+    import_file: IO[str] | None,  # click.File; its LazyFile proxies a text file
     as_json: bool,
 ) -> None:
     """Burn in this node's devices with known-answer GEMMs; record the result as evidence.
@@ -208,7 +208,7 @@ def diagnose_cmd(
         ssh node2 slurm-guard diagnose --no-record --json > node2.json
         slurm-guard diagnose --import node2.json
     """
-    from slurm_guard.evidence import (
+    from slurm_guard.diagnose.evidence import (
         judge_against_golden,
         parse_diagnosis,
         record_diagnosis,
@@ -260,7 +260,7 @@ def _run(
     node: str | None,
     threads: int | None,
 ) -> Diagnosis:
-    from slurm_guard.diagnose import (
+    from slurm_guard.diagnose.burn_in import (
         DiagnoseConfig,
         default_node_name,
         faults_for_diagnose,

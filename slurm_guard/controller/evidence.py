@@ -1,8 +1,9 @@
 """The evidence about one node an admin decides on: its alarms over time and its diagnoses.
 
 `review` shows it per drained node; `review return` refuses a node it speaks against unless
-forced. The records themselves (diagnoses, golden results) are `slurm_guard.evidence`'s; this
-module joins them with the journal and the policy, which only the controller knows.
+forced. The records themselves (diagnoses, golden results) are
+`slurm_guard.diagnose.evidence`'s; this module joins them with the journal and the policy,
+which only the controller knows.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from typing import Any
 
 from slurm_guard.controller.policy import Policy, PolicyError
 from slurm_guard.controller.state import Journal, StateStore
-from slurm_guard.evidence import (
+from slurm_guard.diagnose.evidence import latest_diagnosis
+from slurm_guard.diagnose.history import (
     confirmed_since,
     diagnosis_summary,
-    latest_diagnosis,
     node_history,
     return_blockers,
 )

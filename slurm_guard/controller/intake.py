@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from slurm_guard.protocol import COMMENT_KEY
-from slurm_guard.records import Alarm, RecordError, read_alarm, read_json_file
-from slurm_guard.rundir import RunDir
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import Alarm, RecordError, read_alarm, read_json_file
 
 """The launcher sets the job comment to this followed by the run directory's absolute path."""
 MAX_ALARM_FILES = 1000  # a run raises a handful; thousands means something is wrong

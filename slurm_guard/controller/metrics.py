@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from slurm_guard.controller.policy import Policy
 from slurm_guard.controller.state import ADMIN, APPROVAL, DONE, FAILED, Journal, StateStore
-from slurm_guard.evidence import diagnosed_nodes, latest_diagnosis
+from slurm_guard.diagnose.evidence import diagnosed_nodes, latest_diagnosis
 from slurm_guard.protocol import REASON_PREFIX
 
 if TYPE_CHECKING:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_guard.protocol import REASON_PREFIX
-from slurm_guard.records import Alarm, RecordError, read_json_file
+from slurm_guard.rundir.records import Alarm, RecordError, read_json_file
 from slurm_guard.slurm.parsers import NodeInfo
 
 """Every drain reason we write starts with this; we only ever touch nodes whose reason does."""
@@ -126,7 +126,7 @@ class Policy:
             raise PolicyError(str(exc)) from None
 
     def save(self, state_dir: Path) -> None:
-        from slurm_guard.records import atomic_write_json
+        from slurm_guard.rundir.records import atomic_write_json
 
         atomic_write_json(state_dir / POLICY_FILE, self.to_json())
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_guard.protocol import DEFAULT_STATE_DIR
-from slurm_guard.records import RecordError, atomic_write_json, fsync_dir, read_json_file
+from slurm_guard.rundir.records import RecordError, atomic_write_json, fsync_dir, read_json_file
 
 JOURNAL = "journal.jsonl"
 LOCK = "lock"

@@ -15,8 +15,9 @@ from slurm_guard.controller.views import (
     read_journal,
     resolve_target,
 )
-from slurm_guard.records import Alarm, LedgerEntry, read_ledger
-from slurm_guard.rundir import RunDir, RunDirError, trust_limit
+from slurm_guard.rundir.layout import RunDir, RunDirError
+from slurm_guard.rundir.records import Alarm, LedgerEntry, read_ledger
+from slurm_guard.rundir.trust import trust_limit
 from slurm_guard.slurm.client import SlurmClient
 
 DEFAULT_TRUST_REPLAYS = 2

@@ -22,7 +22,7 @@ from typing import Any
 from slurm_guard.controller.intake import find_run_dir
 from slurm_guard.controller.state import Journal, StateStore
 from slurm_guard.errors import GuardError
-from slurm_guard.rundir import RunDir
+from slurm_guard.rundir.layout import RunDir
 from slurm_guard.slurm.client import JobInfo, SlurmClient, SlurmCommandError, validate_job_id
 
 RUN_MARKERS = ("run.json", "identity.json", "ledger.jsonl", "alarms", "checkpoints", "handled")

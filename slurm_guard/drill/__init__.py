@@ -22,7 +22,7 @@ Each stage prints PASS/FAIL with its wall time; the report is OK only if all sta
 from slurm_guard.drill.local import run_local_drill
 from slurm_guard.drill.slurm import SlurmDrillOptions, run_slurm_drill
 from slurm_guard.drill.stages import DrillError, DrillReport, Stage
-from slurm_guard.polling import poll
+from slurm_guard.slurm.polling import poll
 
 __all__ = [
     "DrillError",

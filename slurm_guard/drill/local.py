@@ -113,10 +113,10 @@ def run_local_drill(
     """
     from slurm_guard.controller import handle_job
     from slurm_guard.examples.train import TrainSettings, read_result
-    from slurm_guard.local_launch import run_local
+    from slurm_guard.local.launch import run_local
     from slurm_guard.protocol import REASON_PREFIX
-    from slurm_guard.records import read_alarm
-    from slurm_guard.rundir import RunDir
+    from slurm_guard.rundir.layout import RunDir
+    from slurm_guard.rundir.records import read_alarm
 
     if nodes < 3:
         raise DrillError("the drill needs --nodes >= 3: attributing a fault takes two witnesses")

@@ -19,8 +19,8 @@ from slurm_guard.drill.stages import (
     make_work_dir,
     short_digest,
 )
-from slurm_guard.polling import poll
 from slurm_guard.protocol import DEFAULT_STATE_DIR
+from slurm_guard.slurm.polling import poll
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ def run_slurm_drill(
         read_result,
     )
     from slurm_guard.protocol import REASON_PREFIX
-    from slurm_guard.records import read_json_file
-    from slurm_guard.rundir import RunDir
+    from slurm_guard.rundir.layout import RunDir
+    from slurm_guard.rundir.records import read_json_file
 
     if opts.via not in ("submitit", "sbatch"):
         raise DrillError(f"--via {opts.via!r}: use submitit or sbatch")

@@ -1,6 +1,6 @@
 """What every drill shares: stages that print PASS/FAIL, checks, the work dir.
 
-The drills wait with `slurm_guard.polling.poll` (re-exported as `slurm_guard.drill.poll`).
+The drills wait with `slurm_guard.slurm.polling.poll` (re-exported as `slurm_guard.drill.poll`).
 """
 
 from __future__ import annotations

@@ -44,9 +44,9 @@ from torch.nn.parallel import DistributedDataParallel
 from slurm_guard.config import GuardConfig
 from slurm_guard.errors import GuardError, SilentDataCorruption
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
-from slurm_guard.faults import parse_faults
+from slurm_guard.faults.injection import parse_faults
 from slurm_guard.guard import Guard, exit_on_alarm
-from slurm_guard.records import RecordError, atomic_write_json, read_json_file
+from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def read_result(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 def _all_nodes(device: torch.device) -> list[str]:
     """Every rank's node, through tensors: torch's object collectives need numpy to unpickle,
     and numpy is not a dependency (a fresh venv with only torch has none)."""
-    from slurm_guard.topology import gather_rank_infos, local_rank_info
+    from slurm_guard.comm.topology import gather_rank_infos, local_rank_info
 
     infos = gather_rank_infos(local_rank_info(dist.get_rank()), None, device)
     return [info.node for info in infos]

@@ -5,3 +5,12 @@ Every kernel here has a torch-op specification that defines its output bit for b
 compiler on first use and caches the shared library; `sketch` is the fused per-bucket check of
 the communication hook; `triton_kernels` holds the GPU versions (imported only when Triton is).
 """
+
+__all__ = [
+    "abft_native",
+    "abft_triton",
+    "bucket",
+    "native",
+    "sketch",
+    "triton_kernels",
+]  # its modules, imported by path

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from slurm_guard import fingerprint_fast
+from slurm_guard.fingerprint import nh as fingerprint_fast
 from slurm_guard.kernels import abft_native, native, sketch
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_guard.records import Alarm, RecordError, read_alarm, read_json_file, read_ledger
+from slurm_guard.rundir.records import Alarm, RecordError, read_alarm, read_json_file, read_ledger
 
 CHECKPOINT_PREFIX = "step-"
 EVENTS_FILE = "train-events.jsonl"  # written by slurm_guard.examples.train; optional

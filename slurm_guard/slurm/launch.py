@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from slurm_guard.errors import GuardError
-from slurm_guard.polling import poll
 from slurm_guard.protocol import COMMENT_KEY, DEFAULT_STATE_DIR
 from slurm_guard.slurm.parsers import expand_hostlist
+from slurm_guard.slurm.polling import poll
 
 if TYPE_CHECKING:
     from slurm_guard.slurm.client import SlurmClient
@@ -176,7 +176,7 @@ def rendezvous_file(run_dir: str | os.PathLike[str], task: SlurmTask, step_id: s
 
 
 def _publish(path: Path, task: SlurmTask, address: str | None, error: str | None) -> None:
-    from slurm_guard.records import atomic_write_json
+    from slurm_guard.rundir.records import atomic_write_json
 
     record = {"job": task.job_id, "node": task.first_node, "address": address, "error": error}
     atomic_write_json(path, record)  # readers see the whole record or none

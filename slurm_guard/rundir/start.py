@@ -14,14 +14,14 @@ import secrets
 import shutil
 from dataclasses import dataclass
 
-from slurm_guard.collective import Collective
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.topology import Topology
 from slurm_guard.config import GuardConfig
 from slurm_guard.errors import GuardError
-from slurm_guard.faults import Fault
-from slurm_guard.fingerprint_fast import backend
+from slurm_guard.faults.injection import Fault
+from slurm_guard.fingerprint.nh import backend
 from slurm_guard.protocol import RUN_SCHEMA
-from slurm_guard.records import RecordError, atomic_write_json, read_json_file
-from slurm_guard.run_identity import (
+from slurm_guard.rundir.identity import (
     establish_identity,
     identity_stamp,
     markers_problem,
@@ -29,9 +29,9 @@ from slurm_guard.run_identity import (
     prepare_markers,
     write_marker,
 )
-from slurm_guard.run_lock import RunLock
-from slurm_guard.rundir import RunDir, fresh_start_requested
-from slurm_guard.topology import Topology
+from slurm_guard.rundir.layout import RunDir, fresh_start_requested
+from slurm_guard.rundir.lock import RunLock
+from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
 
 logger = logging.getLogger(__name__)
 

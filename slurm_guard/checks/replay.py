@@ -24,7 +24,7 @@ from slurm_guard.errors import GuardError
 from slurm_guard.kernels.bucket import bucket_check
 
 if TYPE_CHECKING:
-    from slurm_guard.collective import Collective
+    from slurm_guard.comm.collective import Collective
 
 Batch = Any
 LossFn = Callable[[nn.Module, Batch], torch.Tensor]

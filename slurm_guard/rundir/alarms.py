@@ -15,14 +15,15 @@ import time
 from dataclasses import dataclass
 from typing import NoReturn
 
-from slurm_guard.collective import Collective
+from slurm_guard.checks.verdicts import Finding
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.topology import Topology
 from slurm_guard.errors import SilentDataCorruption
-from slurm_guard.faults import Fault
+from slurm_guard.faults.injection import Fault
 from slurm_guard.protocol import Check, Verdict
-from slurm_guard.records import Alarm, LedgerEntry, append_ledger, make_alarm_id
-from slurm_guard.rundir import RunDir, newest_clean, trust_limit
-from slurm_guard.topology import Topology
-from slurm_guard.verdicts import Finding
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import Alarm, LedgerEntry, append_ledger, make_alarm_id
+from slurm_guard.rundir.trust import newest_clean, trust_limit
 
 logger = logging.getLogger(__name__)
 

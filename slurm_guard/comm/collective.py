@@ -27,15 +27,24 @@ import contextlib
 import datetime
 import hashlib
 import logging
-import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
+from slurm_guard.comm.devices import backend_device, required_device_type
+from slurm_guard.comm.errors import (
+    LISTED,
+    CollectiveError,
+    CollectiveMismatch,
+    DeviceCheckError,
+    RankFailed,
+    RanksMissing,
+    listed,
+)
 from slurm_guard.errors import GuardError
 
 # torch 2.13 renamed all_gather_into_tensor (now a deprecated alias that warns on every call);
@@ -46,82 +55,8 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ENV_CHECK_DEVICE = "SLURM_GUARD_CHECK_DEVICE"
 _CAUSE_CHARS = 600  # an exception's text as other ranks see it (the failing rank logs it whole)
-_LISTED = 8  # ranks named in a message before "and N more"
 LINGER_SECONDS = 30.0  # rank 0 (the store's host) waits this long for late ranks to read why
-
-
-class CollectiveError(GuardError):
-    """A guard round could not complete on every rank; every rank that sees it stops."""
-
-
-class RankFailed(CollectiveError):
-    """A guard step failed on some rank; every rank raises this same error instead of hanging.
-
-    Attributes:
-        what: the guard step that failed ("checkpoint files", "resume: load checkpoint", ...).
-        rank: the first failing rank (group rank); `ranks` lists all of them.
-        node: the failing rank's node.
-        cause: the failing rank's exception as text.
-    """
-
-    def __init__(self, what: str, ranks: Sequence[int], node: str, cause: str) -> None:
-        self.what = what
-        self.ranks = tuple(ranks)
-        self.rank = self.ranks[0]
-        self.node = node
-        self.cause = cause
-        more = f" (also on rank(s) {_listed(self.ranks[1:])})" if len(self.ranks) > 1 else ""
-        super().__init__(
-            f"{what} failed on rank {self.rank} ({node}): {cause}{more}; every rank stopped "
-            "here instead of waiting for it. See that rank's log for the full traceback."
-        )
-
-
-class RanksMissing(CollectiveError):
-    """Some rank did not reach a guard round within `GuardConfig.watchdog_seconds`."""
-
-
-class CollectiveMismatch(CollectiveError):
-    """Ranks reached the same guard round through different guard calls."""
-
-
-class DeviceCheckError(GuardError):
-    """A tensor on the wrong device was about to be handed to a collective."""
-
-
-def _listed(ranks: Sequence[int]) -> str:
-    shown = ", ".join(str(r) for r in ranks[:_LISTED])
-    return shown + (f" and {len(ranks) - _LISTED} more" if len(ranks) > _LISTED else "")
-
-
-def backend_device(backend: str) -> torch.device:
-    """The device a backend's collectives take: CUDA for NCCL (also in "cpu:gloo,cuda:nccl")."""
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-_checked_device: list[str] = []  # set by check_devices(); the environment variable otherwise
-
-
-@contextlib.contextmanager
-def check_devices(device_type: str) -> Iterator[None]:
-    """Tests: every tensor handed to a collective must be on `device_type` ("cuda" or "cpu")."""
-    _checked_device.append(device_type)
-    try:
-        yield
-    finally:
-        _checked_device.pop()
-
-
-def required_device_type(backend_type: str) -> str:
-    """The device type a collective tensor must have: the declared one in tests, else the
-    backend's."""
-    if _checked_device:
-        return _checked_device[-1]
-    return os.environ.get(ENV_CHECK_DEVICE) or backend_type
 
 
 def _tag(text: str) -> int:
@@ -411,10 +346,10 @@ class Collective:
             f"rank {r} ({positions[r][1]}) last at '{positions[r][2]}'"
             if r in positions
             else f"rank {r} never reached a guard round"
-            for r in missing[:_LISTED]
+            for r in missing[:LISTED]
         )
         return (
-            f"rank(s) {_listed(missing)} did not reach '{what}' (guard round {seq}) within "
+            f"rank(s) {listed(missing)} did not reach '{what}' (guard round {seq}) within "
             f"{self.watchdog_seconds:g} s ({where}). A rank stuck in data loading, user code or "
             "I/O holds up every other; if a step can legitimately take longer, raise "
             "GuardConfig.watchdog_seconds."
@@ -425,7 +360,7 @@ class Collective:
         calls: dict[str, list[int]] = {}
         for r, (s, _node, what) in sorted(positions.items()):
             calls.setdefault(what if s == seq else f"(round {s}) {what}", []).append(r)
-        listing = "; ".join(f"rank(s) {_listed(rs)} in '{w}'" for w, rs in calls.items())
+        listing = "; ".join(f"rank(s) {listed(rs)} in '{w}'" for w, rs in calls.items())
         return (
             f"ranks reached guard round {seq} through different guard calls: {listing}. Every "
             "rank must call guard.step(), save_checkpoint() and resume() in the same order "

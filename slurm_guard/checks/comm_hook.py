@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # the class DDP compares against
 
-from slurm_guard.fingerprint import Fingerprinter
+from slurm_guard.fingerprint.tree import Fingerprinter
 from slurm_guard.kernels.bucket import bucket_check
 from slurm_guard.kernels.sketch import divide, seed_words, sign_bits
 

@@ -46,7 +46,7 @@ import hashlib
 
 import torch
 
-from slurm_guard.fingerprint import _DTYPE_CODES, LANES, MAX_LEVELS, PRIME, ROW, Fingerprinter
+from slurm_guard.fingerprint.tree import _DTYPE_CODES, LANES, MAX_LEVELS, PRIME, ROW, Fingerprinter
 from slurm_guard.kernels import native as _kernels
 from slurm_guard.kernels.native import cache_dir
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from slurm_guard.collective import Collective
-from slurm_guard.records import RankInfo
+from slurm_guard.comm.collective import Collective
+from slurm_guard.rundir.records import RankInfo
 
 _NAME_BYTES = 256
 

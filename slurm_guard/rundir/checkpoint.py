@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from slurm_guard.records import atomic_write_json, fsync_dir
-from slurm_guard.rundir import STAGING_PREFIX, CheckpointMeta, RunDir
+from slurm_guard.rundir.layout import STAGING_PREFIX, RunDir
+from slurm_guard.rundir.records import atomic_write_json, fsync_dir
+from slurm_guard.rundir.trust import CheckpointMeta
 
 logger = logging.getLogger(__name__)
 

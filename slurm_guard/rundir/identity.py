@@ -22,8 +22,7 @@ import shutil
 import time
 from pathlib import Path
 
-from slurm_guard.records import RecordError, atomic_write_json, read_json_file
-from slurm_guard.rundir import (
+from slurm_guard.rundir.layout import (
     IDENTITY_FILE,
     OVERRIDE_HINT,
     RESUME_ENV,
@@ -31,6 +30,7 @@ from slurm_guard.rundir import (
     RunDirError,
     listdir_or_raise,
 )
+from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slurm_guard.collective import Collective
-from slurm_guard.fingerprint import Fingerprinter, as_int
-from slurm_guard.topology import local_rank_info
-from slurm_guard.verdicts import Finding, judge_vote
+from slurm_guard.checks.consistency import judge_vote
+from slurm_guard.checks.verdicts import Finding
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.topology import local_rank_info
+from slurm_guard.fingerprint.tree import Fingerprinter, as_int
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""Checks the Guard runs once at construction, before the first step.
+"""What the Guard agrees on once, at construction, before the first step.
+
+The run directory must be reachable from every rank, the fingerprint seed must be the run's (not
+the job start's), and every rank must run with the same settings.
 
 Why here and not per step: settings that differ between ranks do not fail at once, they make the
 ranks take different collective paths later (rank 1 replays every 6th step, the others every
@@ -8,19 +11,26 @@ all-gather of digests at start turns that into an error naming the ranks and the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
+import os
+import secrets
 from collections.abc import Sequence
 from importlib import metadata
+from pathlib import Path
 
 import torch
 
-from slurm_guard.collective import Collective
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.topology import Topology
 from slurm_guard.config import ConfigError, GuardConfig
-from slurm_guard.faults import Fault
-from slurm_guard.topology import Topology
+from slurm_guard.errors import GuardError
+from slurm_guard.faults.injection import Fault
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import RecordError, read_json_file
 
 logger = logging.getLogger(__name__)
 
@@ -153,3 +163,40 @@ def announce_faults(faults: Sequence[Fault], topology: Topology, rank: int, from
                 fault.describe(),
                 fault.node,
             )
+
+
+def check_run_dir(path: Path) -> None:
+    """Raises GuardError when `path` is not a writable directory (run on every rank)."""
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as exc:
+        raise GuardError(
+            f"run directory {path} cannot be accessed ({exc.strerror}); every rank and the "
+            "controller must be able to read and write it"
+        ) from None
+    if not exists:
+        raise GuardError(
+            f"run directory {path} does not exist; create it on a filesystem shared by all "
+            "nodes (not node-local disk) and pass its path"
+        )
+    if not is_dir:
+        raise GuardError(f"run directory {path} is not a directory")
+    probe = path / f".write-test-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise GuardError(
+            f"run directory {path} is not writable ({exc.strerror}); alarms and checkpoints go "
+            "there: fix its permissions or choose another directory"
+        ) from None
+
+
+def agree_on_seed(comm: Collective, config: GuardConfig, run_dir: RunDir) -> int:
+    """The fingerprint seed: per run (not per job start), so checkpoints stay verifiable."""
+    seed = 0
+    if comm.rank == 0:
+        seed = config.seed if config.seed is not None else secrets.randbits(62)
+        with contextlib.suppress(RecordError, KeyError, TypeError, ValueError):
+            seed = int(read_json_file(run_dir.run_file)["seed"])
+    return comm.broadcast_ints([seed])[0]

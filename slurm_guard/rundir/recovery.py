@@ -17,15 +17,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from slurm_guard import checkpoint as ckpt
-from slurm_guard.records import read_ledger
-from slurm_guard.rundir import (
-    OVERRIDE_HINT,
-    CheckpointMeta,
-    RunDir,
-    RunDirError,
-    trust_limit,
-)
+from slurm_guard.rundir import checkpoint as ckpt
+from slurm_guard.rundir.layout import OVERRIDE_HINT, RunDir, RunDirError
+from slurm_guard.rundir.records import read_ledger
+from slurm_guard.rundir.trust import CheckpointMeta, trust_limit
 
 logger = logging.getLogger(__name__)
 

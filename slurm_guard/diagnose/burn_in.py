@@ -14,8 +14,8 @@ time and checks three things:
    wrong every time cannot pass and become the golden reference.
 3. **Golden result.** The digest of each case must equal the one recorded the first time a node
    with the same device model, driver, torch/CUDA build and thread count passed (kept in the
-   controller's state directory, see `slurm_guard.evidence`). Catches a device that is wrong in
-   the same way every time, below the checksum bound.
+   controller's state directory, see `slurm_guard.diagnose.evidence`). Catches a device that
+   is wrong in the same way every time, below the checksum bound.
 
 Each GEMM result is compared on the device; only the first result of each case is copied to the
 host (for its digest), so the burn-in keeps the device busy rather than the PCIe bus.
@@ -39,9 +39,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from slurm_guard.diagnose.evidence import CaseResult, Diagnosis
 from slurm_guard.errors import GuardError
-from slurm_guard.evidence import CaseResult, Diagnosis
-from slurm_guard.faults import Fault, faults_from_env
+from slurm_guard.faults.injection import Fault, faults_from_env
 
 logger = logging.getLogger(__name__)
 

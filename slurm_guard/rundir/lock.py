@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from slurm_guard.records import RecordError, atomic_write_json, read_json_file
-from slurm_guard.rundir import LOCK_FILE, RunDir, RunDirError
+from slurm_guard.rundir.layout import LOCK_FILE, RunDir, RunDirError
+from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
 
 logger = logging.getLogger(__name__)
 

@@ -16,14 +16,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from slurm_guard import checkpoint as ckpt
-from slurm_guard.collective import Collective, RankFailed
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.errors import RankFailed
 from slurm_guard.errors import GuardError
-from slurm_guard.fingerprint import Fingerprinter, as_hex
-from slurm_guard.fingerprint_fast import FastFingerprinter
-from slurm_guard.records import read_json_file
-from slurm_guard.recovery import ResumePlan, ResumePoint, finish_rollback, plan_resume
-from slurm_guard.rundir import RunDir, fresh_start_requested, parse_checkpoint_meta
+from slurm_guard.fingerprint.nh import FastFingerprinter
+from slurm_guard.fingerprint.tree import Fingerprinter, as_hex
+from slurm_guard.rundir import checkpoint as ckpt
+from slurm_guard.rundir.layout import RunDir, fresh_start_requested
+from slurm_guard.rundir.records import read_json_file
+from slurm_guard.rundir.recovery import ResumePlan, ResumePoint, finish_rollback, plan_resume
+from slurm_guard.rundir.trust import parse_checkpoint_meta
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,15 @@ from typing import Any
 
 import torch
 
-from slurm_guard.collective import CollectiveError
-from slurm_guard.fingerprint import as_int
-from slurm_guard.hooks import param_sketch
+from slurm_guard.checks.comm_hook import param_sketch
+from slurm_guard.checks.replay import Captured, exchange
+from slurm_guard.checks.rows import discrepancy, loss_bits, reference_vector
+from slurm_guard.checks.verdicts import Finding, bits_to_float
+from slurm_guard.checks.verifier import Verifier
+from slurm_guard.comm.errors import CollectiveError
+from slurm_guard.comm.topology import Topology
+from slurm_guard.fingerprint.tree import as_int
 from slurm_guard.protocol import Check, Verdict
-from slurm_guard.replay import Captured, exchange
-from slurm_guard.topology import Topology
-from slurm_guard.verdicts import Finding, bits_to_float
-from slurm_guard.verification import Verifier, discrepancy, loss_bits, reference_vector
 
 logger = logging.getLogger(__name__)
 

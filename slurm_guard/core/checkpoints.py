@@ -1,0 +1,113 @@
+"""Saving a verified checkpoint and resuming from the trusted one, for every entry point.
+
+Both are collective: every rank enters them in the same order, and a failure on one rank reaches
+every rank as the same named error (`Collective.share_problem`), so no rank waits for another
+that has given up.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from slurm_guard.errors import GuardError
+from slurm_guard.fingerprint import as_hex
+from slurm_guard.rundir import checkpoint as ckpt
+from slurm_guard.rundir.identity import check_unchanged
+from slurm_guard.rundir.restore import load_checkpoint, record_rollback, resume_collectively
+
+if TYPE_CHECKING:
+    from slurm_guard.core.session import GuardCore
+
+logger = logging.getLogger(__name__)
+
+
+def save_checkpoint(core: GuardCore) -> Path:
+    """Vote, then save atomically into run_dir/checkpoints/step-N (N = completed steps)."""
+    step = core.step_count
+    if step == 0:
+        raise GuardError("save_checkpoint() before the first step: nothing to save yet")
+    comm, rank = core.comm, core.rank
+    comm.arrive(f"save_checkpoint() after {step} steps")
+    if core.voted_at != step:
+        core.vote(step - 1)
+    # What a restart can recompute from the saved files alone (buffers as saved).
+    fingerprint = as_hex(core.fingerprinter.tensors(core.state_tensors()))
+    # Never into a run directory that vanished or was replaced since the start (it would
+    # be silently recreated), nor after another job took the lock over.
+    run_dir = core.run_dir
+    problem = check_unchanged(run_dir, core.opened.stamp, core.run_id)
+    lock = core.opened.lock
+    if problem is None and lock is not None and not lock.held():
+        problem = f"another job took over the lock {run_dir.lock_file}"
+    if problem is not None:
+        problem = f"checkpoint at step {step} not saved: {problem}"
+    comm.share_problem(problem, "run directory check before the save")
+    stage = ckpt.staging_dir(run_dir, step, core.restart_count, core.attempt)
+    try:
+        ckpt.write_rank_files(
+            stage,
+            rank,
+            core.module.state_dict() if rank == 0 else None,
+            core.optimizer.state_dict() if rank == 0 else None,
+        )
+    except Exception as exc:  # any failure must reach every rank, not hang them
+        logger.exception("rank %d could not write its checkpoint files", rank)
+        problem = f"checkpoint at step {step}: could not write its files ({exc})"
+    try:
+        comm.share_problem(problem, "checkpoint files")
+    except GuardError:
+        if rank == 0:
+            ckpt.discard(stage)
+        raise
+    path = run_dir.checkpoint_path(step)
+    if rank == 0:
+        try:
+            path = ckpt.publish(
+                run_dir,
+                stage,
+                step=step,
+                weight_fingerprint=fingerprint,
+                fingerprint_seed=core.fingerprinter.seed,
+                world_size=core.world_size,
+                restart_count=core.restart_count,
+                run_id=core.run_id,
+            )
+        except Exception as exc:
+            logger.exception("could not publish checkpoint %s", path)
+            problem = f"checkpoint at step {step} could not be published ({exc})"
+            ckpt.discard(stage)
+    comm.share_problem(problem, "checkpoint publish")
+    return path
+
+
+def resume(core: GuardCore) -> int:
+    """Load the trusted checkpoint into the core's module and optimizer; return its step.
+
+    The rule and its failure modes are in `Guard.resume`'s docstring.
+    """
+    core.comm.arrive("resume()")
+    load = functools.partial(
+        load_checkpoint,
+        core.run_dir,
+        rank=core.rank,
+        module=core.module,
+        optimizer=core.optimizer,
+        fingerprinter=core.fingerprinter,
+        state_tensors=core.state_tensors,
+    )
+    resumed = resume_collectively(
+        core.comm, core.run_dir, core.rank, core.config.trust_replays, load
+    )
+    core.verified_steps = resumed.verified_steps
+    if resumed.step < 0:
+        core.step_count = 0
+        core.last_verified_step = None
+    else:
+        core.step_count = resumed.step
+        core.last_verified_step = resumed.last_verified_step
+        core.voted_at = resumed.step
+    record_rollback(core.comm, core.run_dir, resumed.point, core.restart_count, core.attempt)
+    return core.step_count

@@ -1,0 +1,366 @@
+"""The guard's loop-independent core: set-up, the checks of one step, the vote, the alarm.
+
+Every entry point shares it: `Guard.step` for users who hand the guard their loop, and the ones
+for loops the guard does not own (a framework's trainer, a sharded model). A step is three calls
+in a fixed order on every rank:
+
+    plan = core.begin_step(batch)        # arrival, capture for replay, hook reset
+    ... forward and backward of each microbatch, the last one outside no_sync() ...
+    result = core.finish_step(plan, losses)  # the collective checks; raises on an alarm
+    core.apply_update(plan, result)       # the optimizer step only if every check passed
+
+Saving and resuming are `core.checkpoints`; both take a core.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from slurm_guard.abft import Abft, measure_coverage
+from slurm_guard.abft import attach as attach_abft
+from slurm_guard.checks.comm_hook import HookState, SignVectors, guard_comm_hook
+from slurm_guard.checks.replay import (
+    Captured,
+    LossFn,
+    Microbatches,
+    ReplayOutput,
+    capture,
+    combined_loss,
+    is_replaying,
+    preserved_state,
+    recompute,
+)
+from slurm_guard.checks.rows import StepResult
+from slurm_guard.checks.triage import triage_alarm
+from slurm_guard.checks.verdicts import Finding
+from slurm_guard.checks.verifier import Verifier
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_info
+from slurm_guard.config import GuardConfig
+from slurm_guard.core.setup import (
+    agree_on_seed,
+    announce_faults,
+    check_run_dir,
+    check_same_setup,
+    warn_small_world,
+)
+from slurm_guard.core.state import ReplicatedState
+from slurm_guard.errors import GuardError
+from slurm_guard.faults import Fault, FaultInjector, faults_from_env
+from slurm_guard.fingerprint import FastFingerprinter, Fingerprinter
+from slurm_guard.protocol import Check
+from slurm_guard.rundir.alarms import AlarmWriter
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import LedgerEntry, append_ledger
+from slurm_guard.rundir.start import OpenedRun, open_run_dir, write_run_file
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What `begin_step` decided for one step, handed back to `finish_step`."""
+
+    step: int
+    verify: bool  # a ring-replay step
+    captured: Captured
+
+
+class GuardCore:
+    """Guarded DDP training without the loop: see the module docstring for the order of calls.
+
+    Args are `Guard`'s (the DDP model, its optimizer, `loss_fn(model, batch)`, the shared run
+    directory, the config and an optional GradScaler).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        run_dir: str | os.PathLike[str],
+        config: GuardConfig | None = None,
+        scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        if not isinstance(model, DistributedDataParallel):
+            raise GuardError(
+                f"Guard needs a DistributedDataParallel model, got {type(model).__name__}; wrap "
+                "it first: model = torch.nn.parallel.DistributedDataParallel(model)"
+            )
+        if not dist.is_initialized():
+            raise GuardError("torch.distributed is not initialized; call init_process_group first")
+        if not callable(loss_fn):
+            raise GuardError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
+        self.config = config if config is not None else GuardConfig()
+        self.run_dir = RunDir(run_dir)
+        self.ddp = model
+        self.module: nn.Module = model.module
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.scaler = scaler
+        self.group: dist.ProcessGroup | None = model.process_group
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        me = local_rank_info(self.rank)
+        # Every collective of the guard goes through self.comm (device, agreement, watchdog).
+        self.comm = Collective(self.group, me.node, self.config.watchdog_seconds)
+        self.comm_device = self.comm.device
+        self.job_id = os.environ.get("SLURM_JOB_ID")
+        self.restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.comm.arrive("Guard() set-up")
+        check_same_setup(self.comm, self.config, self.params)
+        if not self.params:
+            raise GuardError("the model has no trainable parameters: there is nothing to guard")
+        self.comm.agree(lambda: check_run_dir(self.run_dir.root), "run directory check")
+        self.topology = Topology.build(gather_rank_infos(me, comm=self.comm))
+        warn_small_world(self.topology, self.rank)
+        # Before the seed and the checks: everything after writes into this directory.
+        self.opened: OpenedRun = open_run_dir(
+            self.comm,
+            self.run_dir,
+            self.rank,
+            self.world_size,
+            self.topology,
+            job_id=self.job_id,
+            restart_count=self.restart_count,
+        )
+        self.attempt = self.opened.attempt
+        self.run_id = self.opened.run_id
+        # NH first level (native kernel where a C compiler is found, the same values in torch
+        # ops elsewhere), then the multilinear tree.
+        seed = agree_on_seed(self.comm, self.config, self.run_dir)
+        self.fingerprinter: Fingerprinter = FastFingerprinter(seed)
+        self.faults: tuple[Fault, ...] = self.comm.agree(
+            lambda: self.config.faults + faults_from_env(),
+            "fault injection settings (GuardConfig.faults, SLURM_GUARD_INJECT)",
+        )
+        self.injector = FaultInjector(self.faults, self.rank, me.node, self.module)
+        self.alarm_writer = AlarmWriter(
+            run_dir=self.run_dir,
+            comm=self.comm,
+            topology=self.topology,
+            rank=self.rank,
+            world_size=self.world_size,
+            job_id=self.job_id,
+            restart_count=self.restart_count,
+            attempt=self.attempt,
+            trust_replays=self.config.trust_replays,
+            faults=self.faults,
+        )
+        # Checked GEMMs: after the injector, whose gemm faults wrap the same layers unchecked.
+        self.abft: Abft | None = None
+        self.abft_coverage: dict[str, object] | None = None  # measured in the settling pass
+        if self.config.abft:
+            config = self.config
+            self.abft = attach_abft(self.module, margin=config.abft_margin, block=config.abft_block)
+            self.abft.set_suspended(is_replaying)  # a replay judges another rank's step
+        from_env = len(self.faults) - len(self.config.faults)
+        announce_faults(self.faults, self.topology, self.rank, from_env)
+        self.hook = HookState(
+            group=self.group,
+            world_size=self.world_size,
+            fingerprinter=self.fingerprinter,
+            signs=SignVectors(self.fingerprinter.seed),
+            param_index={id(p): i for i, p in enumerate(self.params)},
+            corrupt_reduced=(
+                self.injector.corrupt_reduced if self.injector.corrupts_reduction else None
+            ),
+        )
+        model.register_comm_hook(self.hook, guard_comm_hook)
+        self.verifier = Verifier(
+            comm=self.comm,
+            topology=self.topology,
+            fingerprinter=self.fingerprinter,
+            hook=self.hook,
+            replay=self._replay,
+            config=self.config,
+            ledger=self._ledger,
+            params=self.params,
+            scaler_active=scaler is not None,
+            abft=self.abft,
+        )
+        self.replicated = ReplicatedState(
+            self.module,
+            optimizer,
+            self.fingerprinter,
+            broadcast_buffers=getattr(model, "broadcast_buffers", False),
+        )
+        self.step_count = 0
+        self.last_verified_step: int | None = None
+        self.verified_steps: list[int] = []  # passing replays since the resumed checkpoint
+        self._settled = not self.config.settle_buckets
+        self.voted_at = -1  # step_count right after the last clean vote
+        self._started = time.time()
+        unwritten = None
+        if self.rank == 0:
+            try:
+                self._write_run_file()
+            except OSError as exc:
+                unwritten = f"cannot write {self.run_dir.run_file} ({exc.strerror})"
+            except Exception as exc:  # any other failure must reach every rank too
+                logger.exception("could not write %s", self.run_dir.run_file)
+                unwritten = f"cannot write {self.run_dir.run_file} ({type(exc).__name__}: {exc})"
+        self.comm.share_problem(unwritten, "run.json")
+
+    # ---------------------------------------------------------------- set-up helpers
+
+    def _write_run_file(self) -> None:
+        write_run_file(
+            self.run_dir,
+            self.opened,
+            seed=self.fingerprinter.seed,
+            job_id=self.job_id,
+            restart_count=self.restart_count,
+            world_size=self.world_size,
+            topology=self.topology,
+            config=self.config,
+            faults=self.faults,
+            abft_coverage=self.abft_coverage,
+            started=self._started,
+        )
+
+    def _settle_buckets(self, batch: Any) -> None:
+        """One discarded forward/backward so DDP rebuilds its buckets before the first real step.
+
+        DDP re-lays out its buckets after the first backward, and gloo sums an element in an
+        order that depends on its position in the bucket; without this, a resumed run's first
+        step differs from the uninterrupted run's in the last bits.
+        """
+        first = batch[0] if isinstance(batch, Microbatches) else batch
+        self.hook.active = False
+        try:
+            with preserved_state(self.module):
+                if self.abft is None:
+                    self.scaled(self.loss(first)).backward()  # type: ignore[no-untyped-call]
+                else:  # the same pass, counted: which share of the matmul FLOPs is checked
+                    coverage = measure_coverage(self.module, lambda: self.scaled(self.loss(first)))
+                    self.abft_coverage = coverage.as_dict()
+        finally:
+            self.hook.active = True
+            self.optimizer.zero_grad(set_to_none=True)
+        self._settled = True
+        if self.abft_coverage is not None and self.rank == 0:
+            try:
+                self._write_run_file()  # run.json now says what the checks cover
+            except OSError:
+                logger.exception("could not record the checked-GEMM coverage in run.json")
+
+    # ---------------------------------------------------------------- one step
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        """`loss_fn` on the DDP model, checked to be a scalar tensor."""
+        loss = self.loss_fn(self.ddp, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+            raise GuardError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}; "
+                "reduce the loss (e.g. .mean()) inside loss_fn"
+            )
+        return loss
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss as backward() must see it (scaled under a GradScaler)."""
+        return self.scaler.scale(loss) if self.scaler is not None else loss
+
+    def begin_step(self, batch: Any) -> StepPlan:
+        """Before the step's first forward: arrival, capture for a replay, fresh gradients."""
+        step = self.step_count
+        # Every rank must be here, at this step, before the first collective of the step (the
+        # DDP all-reduce in backward): a rank stuck elsewhere is named instead of waited for.
+        self.comm.arrive(f"step {step}")
+        if not self._settled:
+            self._settle_buckets(batch)
+        if self.abft is not None:
+            self.abft.reset()
+        self.injector.step = step
+        verify = self.config.is_replay_step(step, self.fingerprinter.seed) and self.world_size > 1
+        captured = capture(batch)
+        self.replicated.snapshot_due = True
+        self.optimizer.zero_grad(set_to_none=True)
+        exact = self.config.deterministic
+        self.hook.reset(fingerprint_local=verify and exact, sketch_local=verify and not exact)
+        return StepPlan(step, verify, captured)
+
+    def finish_step(self, plan: StepPlan, losses: Sequence[torch.Tensor]) -> StepResult:
+        """After the last backward: every check of the step, decided together by every rank.
+
+        Raises:
+            SilentDataCorruption: on every rank, after the alarm record is written.
+        """
+        step_loss = combined_loss(losses)
+        result = self.verifier.check_step(plan.step, step_loss, plan.captured, plan.verify)
+        if result.verified:
+            self.last_verified_step = plan.step
+            self.verified_steps.append(plan.step)
+        if result.finding is not None:
+            # the suspect repeats the failing microbatch first: persistent or transient
+            finding = triage_alarm(self.verifier, result.finding, plan.captured, plan.step)
+            self.alarm(finding, plan.step, update_applied=False)
+        return result
+
+    def apply_update(self, plan: StepPlan, result: StepResult) -> None:
+        """The optimizer step if the checks allow it, then the vote when one is due."""
+        if not result.skip_update:
+            if self.scaler is not None:
+                self.scaler.step(self.optimizer)  # skips the update itself on an overflow
+                self.scaler.update()
+            else:
+                self.optimizer.step()
+            self.injector.after_update()
+            if self.config.is_vote_step(plan.step):
+                self.vote(plan.step)
+        self.step_count = plan.step + 1
+
+    def _replay(self, captured: Captured) -> ReplayOutput:
+        """Recompute another rank's step here (faults that hit this rank's replays apply)."""
+        with self.injector.replay():
+            scale = self.scaler.scale if self.scaler is not None else None
+            return recompute(self.module, self.loss_fn, captured, self.params, scale)
+
+    def _ledger(self, step: int, check: Check, passed: bool, detail: dict[str, object]) -> None:
+        if self.rank != 0:
+            return
+        try:
+            append_ledger(
+                self.run_dir.ledger, LedgerEntry(step, check, passed, detail, self.restart_count)
+            )
+        except OSError:
+            logger.exception("could not append to the ledger")
+
+    # ---------------------------------------------------------------- the vote and alarms
+
+    def state_tensors(self, buffers: bool = True) -> list[torch.Tensor]:
+        """Everything replicas must hold identically: parameters, buffers, optimizer state."""
+        return self.replicated.tensors(buffers)
+
+    def vote_fingerprint(self) -> torch.Tensor:
+        """Parameters and optimizer state now; buffers as broadcast at this step's forward."""
+        return self.replicated.vote_fingerprint()
+
+    def vote(self, step: int) -> None:
+        """Weight-fingerprint vote on the state after `step`'s update."""
+        finding = self.verifier.vote(step, self.vote_fingerprint())
+        if finding is not None:
+            self.alarm(finding, step, update_applied=True)
+        self.voted_at = step + 1
+
+    def alarm(self, finding: Finding, step: int, *, update_applied: bool) -> NoReturn:
+        """Rank 0 writes the alarm; then every rank raises the very same record."""
+        self.alarm_writer.raise_alarm(
+            finding,
+            step,
+            update_applied=update_applied,
+            last_verified=self.last_verified_step,
+            verified_steps=self.verified_steps,
+        )
