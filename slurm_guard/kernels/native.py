@@ -1,13 +1,18 @@
-"""Build, cache and load the C kernels shipped beside this module.
+"""Load the C kernels shipped beside this module, each built once per node (`build`).
 
 The sources are package data (`*.c` next to this file), read with importlib.resources so they
 work from a wheel or a zip as well as from a checkout. Constants that Python also uses are
 passed with -D, so each is defined once (in the Python module that owns it). The build uses the
-system compiler ($CC, cc, gcc or clang), first with -march=native, then portably, into a cache
-directory ($SLURM_GUARD_CACHE, else $XDG_CACHE_HOME/slurm-guard, else ~/.cache/slurm-guard). The
-library's name is keyed by source, defines, compiler, flags and the CPU, so a shared home
-directory never hands one node's -march=native build to a different CPU. SLURM_GUARD_NATIVE=0
-disables every native kernel (callers then use their torch specification).
+system compiler ($CC, cc, gcc or clang), first with -march=native, then portably, into the cache
+directory of `build.cache_dir` ($SLURM_GUARD_CACHE, else node-local <tmp>/slurm-guard-<uid>),
+under a per-library file lock: of the ranks that start together on a node one compiles, the
+others wait and load its library. The library's name is keyed by source, defines, compiler,
+flags and the CPU, so a cache shared by several nodes never hands one node's -march=native build
+to a different CPU. SLURM_GUARD_NATIVE=0 disables every native kernel (callers then use their
+torch specification); so does a missing or failing compiler, with one warning.
+
+`kernels.warm.warm_up` (called at the guard's set-up) and `python -m slurm_guard.kernels` (the
+pre-build step of the sbatch template) load every kernel here ahead of the first step.
 """
 
 from __future__ import annotations
@@ -17,60 +22,47 @@ import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from importlib import resources
 from pathlib import Path
 from typing import Generic, TypeVar
 
-logger = logging.getLogger(__name__)
+from slurm_guard.kernels.build import (
+    BASE_FLAGS,
+    COMPILE_TIMEOUT_S,
+    NATIVE_FLAGS,
+    WARNING_FLAGS,
+    BuildFailed,
+    build_once,
+    cache_dir,
+    compile_source,
+    compiler,
+    define_flags,
+    ensure_cache_dir,
+    source,
+    warn_once,
+)
 
-COMPILE_TIMEOUT_S = 120
-# -fno-fast-math spelled out: the float64 kernels rely on IEEE addition in source order.
-BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-std=c99", "-fno-fast-math", "-ffp-contract=off"]
-NATIVE_FLAGS = [*BASE_FLAGS, "-march=native"]
-WARNING_FLAGS = ["-Wall", "-Wextra", "-Werror"]
+logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, tuple[tuple[str, int], ...]], ctypes.CDLL | None] = {}
+_how: dict[str, str] = {}  # library path -> "built" (by this process) or "cached"
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
-def cache_dir() -> Path:
-    """Where compiled kernels live ($SLURM_GUARD_CACHE, else the XDG cache directory)."""
-    explicit = os.environ.get("SLURM_GUARD_CACHE")
-    if explicit:
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "slurm-guard"
-
-
-def source(name: str) -> str:
-    """The text of a C source shipped in this package (e.g. 'nh_fingerprint.c')."""
-    return resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
-
-
-def compiler() -> str | None:
-    """The C compiler to use, or None when none is on PATH."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
-def define_flags(defines: Mapping[str, int]) -> list[str]:
-    return [f"-D{key}={int(value)}" for key, value in sorted(defines.items())]
+def enabled() -> bool:
+    """False when SLURM_GUARD_NATIVE=0 or on a big-endian host (the kernels read little-endian)."""
+    return os.environ.get("SLURM_GUARD_NATIVE", "1") != "0" and sys.byteorder == "little"
 
 
 def _cpu_signature() -> str:
     """The host's CPU model and flags: a -march=native build must not be reused on another CPU
-    (home directories are often shared across a cluster's nodes)."""
+    (a cache directory may be shared across a cluster's nodes)."""
     text = platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -84,60 +76,57 @@ def _cpu_signature() -> str:
     return text
 
 
-def compile_source(
-    name: str, defines: Mapping[str, int], flags: list[str], out: Path, cc: str | None = None
-) -> subprocess.CompletedProcess[str]:
-    """Compile one shipped source to `out` (no caching); the process result says how it went."""
-    cc = cc or compiler()
-    if cc is None:
-        raise FileNotFoundError("no C compiler found (set $CC or install cc, gcc or clang)")
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        src = Path(tmp) / name
-        src.write_text(source(name), encoding="utf-8")
-        tmp_out = Path(tmp) / out.name
-        proc = subprocess.run(
-            [cc, *flags, *define_flags(defines), "-o", str(tmp_out), str(src)],
-            capture_output=True,
-            text=True,
-            timeout=COMPILE_TIMEOUT_S,
-            check=False,
-        )
-        if proc.returncode == 0:
-            os.replace(tmp_out, out)  # atomic: concurrent ranks never load a half-written library
-    return proc
+def library_name(name: str, defines: Mapping[str, int], cc: str, flags: list[str]) -> str:
+    """The cache file name of one build: keyed by everything that changes the library."""
+    key = hashlib.sha256(
+        "\0".join([source(name), cc, *flags, *define_flags(defines), _cpu_signature()]).encode()
+    ).hexdigest()[:20]
+    return f"sg_{name.rsplit('.', 1)[0]}-{key}.so"
 
 
 def _build_and_load(name: str, defines: Mapping[str, int]) -> ctypes.CDLL | None:
-    if os.environ.get("SLURM_GUARD_NATIVE", "1") == "0" or sys.byteorder != "little":
+    if not enabled():
         return None
     cc = compiler()
     if cc is None:
-        logger.info("native kernels: no C compiler found; using the torch implementations")
+        warn_once(
+            "no-cc",
+            "native kernels: no C compiler found (set $CC or install cc, gcc or clang); "
+            "the guard uses its torch implementations (same results, slower)",
+        )
         return None
-    text = source(name)
-    stem = name.rsplit(".", 1)[0]
+    try:
+        directory = ensure_cache_dir()
+    except OSError as exc:
+        warn_once("cache", "native kernels: no cache directory (%s); using torch", exc)
+        return None
+    problems = []
     for flags in (NATIVE_FLAGS, BASE_FLAGS):
-        key = hashlib.sha256(
-            "\0".join([text, cc, *flags, *define_flags(defines), _cpu_signature()]).encode()
-        ).hexdigest()[:20]
-        target = cache_dir() / f"sg_{stem}-{key}.so"
+        target = directory / library_name(name, defines, cc, flags)
+
+        def build(out: Path, flags: list[str] = flags) -> None:
+            proc = compile_source(name, defines, flags, out, cc)
+            if proc.returncode != 0:
+                raise BuildFailed(proc.stderr.strip() or f"exit status {proc.returncode}")
+
         try:
-            if not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                proc = compile_source(name, defines, flags, target, cc)
-                if proc.returncode != 0:
-                    logger.warning(
-                        "native kernels: compiling %s with %s %s failed: %s",
-                        name,
-                        cc,
-                        " ".join(flags),
-                        proc.stderr[-2000:],
-                    )
-                    continue
-            return ctypes.CDLL(str(target))
+            how = build_once(target, build)
+            lib = ctypes.CDLL(str(target))
+        except BuildFailed as exc:
+            problems.append(f"{' '.join(flags)}: {str(exc)[-1000:]}")
+            continue
         except (OSError, subprocess.TimeoutExpired) as exc:
-            logger.warning("native kernels: cannot build or load %s: %s", target, exc)
-    logger.warning("native kernels: no build of %s; using the torch implementation", name)
+            problems.append(f"{target}: {exc}")
+            continue
+        _how[str(target)] = how
+        logger.debug("native kernels: %s %s", how, target)
+        return lib
+    logger.warning(
+        "native kernels: cannot build %s with %s; using the torch implementation. %s",
+        name,
+        cc,
+        " | ".join(problems),
+    )
     return None
 
 
@@ -149,6 +138,11 @@ def load(name: str, defines: Mapping[str, int]) -> ctypes.CDLL | None:
             if key not in _loaded:
                 _loaded[key] = _build_and_load(name, defines)
     return _loaded[key]
+
+
+def how_loaded(lib: ctypes.CDLL) -> str:
+    """'built' (compiled by this process) or 'cached' (found built, or built by another)."""
+    return _how.get(str(lib._name), "cached")
 
 
 def thread_pool(workers: int) -> ThreadPoolExecutor:
@@ -177,14 +171,44 @@ class LazyKernel(Generic[W]):
     ) -> None:
         self._name, self._defines, self._wrap = name, defines, wrap
         self._value: W | None = None
+        self._lib: ctypes.CDLL | None = None
         self._tried = False
         self._lock = threading.Lock()  # not the module's: load() takes that one
+
+    @property
+    def source(self) -> str:
+        """The shipped C source this kernel is built from."""
+        return self._name
+
+    @property
+    def library(self) -> ctypes.CDLL | None:
+        """The loaded library once called (None before, or when it could not be built)."""
+        return self._lib
 
     def __call__(self) -> W | None:
         if not self._tried:
             with self._lock:
                 if not self._tried:
-                    lib = load(self._name, self._defines())
+                    lib = self._lib = load(self._name, self._defines())
                     self._value = self._wrap(lib) if lib is not None else None
                     self._tried = True
         return self._value
+
+
+__all__ = [
+    "BASE_FLAGS",
+    "COMPILE_TIMEOUT_S",
+    "NATIVE_FLAGS",
+    "WARNING_FLAGS",
+    "LazyKernel",
+    "cache_dir",
+    "compile_source",
+    "compiler",
+    "define_flags",
+    "enabled",
+    "how_loaded",
+    "library_name",
+    "load",
+    "source",
+    "thread_pool",
+]

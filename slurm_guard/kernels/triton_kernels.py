@@ -11,17 +11,31 @@ interpreter, TRITON_INTERPRET=1, which is how CI tests them without a GPU).
 
 Triton is optional (`pip install slurm-guard[gpu]`; CUDA builds of torch bring it): importing
 this module without it works, `available()` says False and the callers use the torch versions.
+Compiled Triton also needs a C compiler, for the launcher it builds the first time each kernel
+runs: `available()` checks for one (Triton's own lookup, `launcher_compiler`, and a trial
+compile cached once per node) and otherwise says False with one warning, so that the torch
+versions run instead of Triton's "Failed to find C compiler" inside the DDP comm hook.
+`kernels.warm.warm_up` compiles the kernels at the guard's set-up, not at step 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import os
+import shutil
+import sysconfig
+import threading
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from slurm_guard.kernels import build as _build
 from slurm_guard.kernels import sketch as _sketch
+
+logger = logging.getLogger(__name__)
 
 triton: Any = None  # imported on first use: importing Triton costs a second or two
 tl: Any = None
@@ -51,12 +65,104 @@ def interpreting() -> bool:
 
 
 def available(device: torch.device | None = None) -> bool:
-    """Whether the Triton kernels can run on tensors of `device` (default: CUDA) here."""
+    """Whether the Triton kernels can run on tensors of `device` (default: CUDA) here: Triton
+    imports, and either it interprets (TRITON_INTERPRET=1) or CUDA is there and Triton can build
+    its launchers (`launcher_ok`)."""
     if not _import_triton():
         return False
     if device is not None and device.type == "cpu":
         return interpreting()
-    return interpreting() or torch.cuda.is_available()
+    return interpreting() or (torch.cuda.is_available() and launcher_ok())
+
+
+_launcher: bool | None = None  # launcher_ok()'s answer, decided once per process
+_launcher_lock = threading.Lock()
+_PROBE = "#include <Python.h>\nint sg_launcher_probe(void) { return 0; }\n"
+
+
+def launcher_compiler() -> str | None:
+    """The C compiler Triton would build its launchers with, resolved on PATH, or None.
+
+    Mirrors `triton.runtime.build._find_compiler("c")` (Triton 3.x): $CC as given (even when it
+    is not on PATH: Triton then fails at the build), else gcc, else clang. Unlike the guard's
+    own C kernels (`build.compiler`), `cc` is not looked for.
+    """
+    cc = os.environ.get("CC")
+    if cc is not None:
+        return shutil.which(cc)
+    return shutil.which("gcc") or shutil.which("clang")
+
+
+def launcher_problem() -> str | None:
+    """Why Triton could not build a launcher here, or None when it can.
+
+    A launcher includes Python.h and is built with `cc src -O3 -shared -fPIC -Wno-psabi
+    -I<python include>` (`triton.runtime.build._build`); the same compile of a two-line file
+    proves the compiler and the headers. Its result is cached in the kernel cache, keyed by the
+    compiler's path and file, so the ranks of a node run it once. A build hook of Triton's own
+    (`triton.knobs.build.impl`) needs no compiler of ours.
+    """
+    knobs = getattr(triton, "knobs", None)
+    if getattr(getattr(knobs, "build", None), "impl", None) is not None:
+        return None
+    cc = launcher_compiler()
+    if cc is None:
+        given = os.environ.get("CC")
+        if given is not None:
+            return f"$CC={given!r} is not an executable"
+        return "no C compiler for Triton's launchers (set $CC or install gcc or clang)"
+    include = sysconfig.get_paths()["include"]
+    try:
+        st = os.stat(cc)
+        key = hashlib.sha256(
+            "\0".join([_PROBE, cc, str(st.st_size), str(st.st_mtime_ns), include]).encode()
+        ).hexdigest()[:20]
+        target = _build.ensure_cache_dir() / f"triton-launcher-probe-{key}.so"
+        argv = [cc, "-O3", "-shared", "-fPIC", "-Wno-psabi", f"-I{include}"]
+
+        def probe(out: Path) -> None:
+            proc = _build.run_compiler(argv, out, "probe.c", _PROBE)
+            if proc.returncode != 0:
+                raise _build.BuildFailed(proc.stderr.strip() or f"exit {proc.returncode}")
+
+        _build.build_once(target, probe)
+    except _build.BuildFailed as exc:
+        return f"{cc} cannot build Triton's launchers: {str(exc)[-500:]}"
+    except Exception as exc:  # OSError, a timeout: the compiler is unusable either way
+        return f"{cc} cannot build Triton's launchers: {exc}"
+    return None
+
+
+def launcher_ok() -> bool:
+    """Whether compiled Triton kernels can be launched here: `launcher_problem` once per
+    process; when there is one, a warning (once) and False from then on."""
+    global _launcher
+    if _launcher is None:
+        with _launcher_lock:
+            if _launcher is None:
+                problem = launcher_problem()
+                if problem is not None:
+                    _warn_off(problem)
+                _launcher = problem is None
+    return _launcher
+
+
+def disable(reason: str) -> None:
+    """Turn the Triton kernels off for this process (with one warning): what warm-up does when
+    a kernel fails to compile, so that the comm hook runs the torch versions instead."""
+    global _launcher
+    with _launcher_lock:
+        if _launcher is not False:
+            _warn_off(reason)
+        _launcher = False
+
+
+def _warn_off(reason: str) -> None:
+    logger.warning(
+        "Triton kernels off: %s; on CUDA the guard uses its torch implementations "
+        "(same results, slower)",
+        reason,
+    )
 
 
 _compiled: dict[str, Any] = {}

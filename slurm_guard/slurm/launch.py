@@ -520,8 +520,12 @@ def render_sbatch(
     slurm_guard: str | None = None,
     sbatch_options: Mapping[str, str | bool] | None = None,
     template: str | None = None,
+    python: str | None = None,
 ) -> str:
     """The guarded DDP batch script for one run (pure: returns text, submits nothing).
+
+    `python` runs the kernels' pre-build step (`python -m slurm_guard.kernels`, once per node);
+    by default the `python` beside `slurm_guard` when that is given, else this interpreter.
 
     Shell values are quoted with shlex; `#SBATCH` lines cannot be quoted, so the run
     directory is validated by `check_run_dir` and '%' is doubled in the output file pattern.
@@ -547,6 +551,8 @@ def render_sbatch(
             extra.append(f"#SBATCH --{key}={value}")
     command = list(train_command) if train_command else default_train_command()
     exe = slurm_guard or str(Path(sys.executable).with_name("slurm-guard"))
+    if python is None:
+        python = str(Path(slurm_guard).with_name("python")) if slurm_guard else sys.executable
     values = {
         "JOB_NAME": job_name,
         "NODES": str(nodes),
@@ -559,6 +565,7 @@ def render_sbatch(
         "STATE_DIR": shlex.quote(state_dir),
         "TRAIN_COMMAND": shlex.join(command),
         "SLURM_GUARD": shlex.quote(exe),
+        "PYTHON": shlex.quote(python),
     }
     text = template if template is not None else template_path().read_text()
     lines = []
