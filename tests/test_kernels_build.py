@@ -44,7 +44,7 @@ WORKER = r"""
 import json, logging, os, sys, time
 logging.basicConfig(level=logging.WARNING, format="WARN %(name)s: %(message)s")
 import torch
-from slurm_guard import fingerprint_fast as ff
+from slurm_guard.fingerprint import nh as ff
 from slurm_guard.kernels import abft_native, bucket, sketch, warm
 
 go = sys.argv[1]

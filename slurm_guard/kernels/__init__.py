@@ -10,7 +10,9 @@ __all__ = [
     "abft_native",
     "abft_triton",
     "bucket",
+    "build",
     "native",
     "sketch",
     "triton_kernels",
+    "warm",
 ]  # its modules, imported by path

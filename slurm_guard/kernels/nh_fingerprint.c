@@ -1,4 +1,4 @@
-/* NH fingerprint, first level and tree (see slurm_guard/fingerprint_fast.py for the construction
+/* NH fingerprint, first level and tree (see slurm_guard/fingerprint/nh.py for the construction
  * and its false-match bound). Integer arithmetic only: the output is bit-identical to the torch
  * specification `reference_fingerprint` and to the Triton kernel (tested).
  * Built by slurm_guard/kernels/native.py; CI compiles it with -Wall -Wextra -Werror.
@@ -34,7 +34,7 @@
 #include <immintrin.h>
 #endif
 
-/* Defined once, in Python (fingerprint_fast.py, fingerprint.py), and passed with -D. */
+/* Defined once, in Python (fingerprint/nh.py, fingerprint/tree.py), and passed with -D. */
 #if !defined(NH_WORDS) || !defined(ROW) || !defined(LANES) || !defined(PRIME) || !defined(MAX_LEVELS)
 #error "compile with -DNH_WORDS=... -DROW=... -DLANES=... -DPRIME=... -DMAX_LEVELS=... (see kernels/native.py)"
 #endif
@@ -47,9 +47,9 @@
  * it is neutral to slightly better (0-5%) on L2/L3-resident tensors, so it is always on; a
  * hint only (never faults past the end), and the output does not depend on it. */
 #define PREFETCH_BYTES BLOCK_BYTES
-/* STREAM_MIN_BYTES (from fingerprint_fast.py): above it a tensor is taken to stream from DRAM. */
+/* STREAM_MIN_BYTES (from fingerprint/nh.py): above it a tensor is taken to stream from DRAM. */
 #ifndef STREAM_MIN_BYTES
-#error "compile with -DSTREAM_MIN_BYTES=... (see fingerprint_fast.kernel_defines)"
+#error "compile with -DSTREAM_MIN_BYTES=... (see fingerprint.nh.kernel_defines)"
 #endif
 #define BLOCKS_PER_ROW (ROW / (4 * LANES))
 

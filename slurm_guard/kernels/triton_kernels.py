@@ -1,7 +1,7 @@
 """Triton versions of the guard's kernels, for CUDA tensors (and CPU tensors under the
 interpreter, TRITON_INTERPRET=1, which is how CI tests them without a GPU).
 
-- `nh_blocks`: the NH first level of `fingerprint_fast` (integer arithmetic, so its output,
+- `nh_blocks`: the NH first level of `fingerprint.nh` (integer arithmetic, so its output,
   after the same torch-op tree, is bit-identical to the C kernel and the torch specification).
 - `triton_check`: the fused sketch / L1 / finite pass of `kernels.sketch`, one program per chunk,
   the chunk summed in registers by the definition's halving tree; the per-chunk partials go to

@@ -5,7 +5,7 @@
 every later call uses: the C libraries are held by their `native.LazyKernel` (no second load,
 no second compile), and Triton keeps the kernels it compiled in its in-process cache.
 
-- C (CPU): the bucket check (`sketch.native`), the NH fingerprint level (`fingerprint_fast.native`)
+- C (CPU): the bucket check (`sketch.native`), the NH fingerprint level (`fingerprint.nh`)
   and the checked-GEMM passes (`abft_native.native`), each built once per node (`build`).
 - Triton (CUDA, when `triton_kernels.available`): the bucket check in the three forms the hook
   and the replay launch (local bucket; averaged bucket divided by the world size; sketch only),
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from slurm_guard import fingerprint_fast as _ff
+from slurm_guard.fingerprint import nh as _ff
 from slurm_guard.kernels import abft_native as _abft_native
 from slurm_guard.kernels import abft_triton as at
 from slurm_guard.kernels import build as _build
