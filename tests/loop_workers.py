@@ -73,3 +73,58 @@ def capture_loop(
         out["error"] = str(exc)
     out["final"] = weights(model)
     return out
+
+
+def disabled_scaler_nan(run_dir: str) -> dict[str, Any]:
+    """nanoGPT's GradScaler(enabled=(dtype == 'float16')) on CPU/bf16: a disabled scaler, and
+    an inf sample on rank 1 at step 3. The update must not be applied."""
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+
+    def loss_fn(m: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return lm_loss(m, batch) * batch["scale"]
+
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    config = sg.GuardConfig(replay_every=5, vote_every=5)
+    guard = sg.Guard(ddp, opt, loss_fn, run_dir, config=config, scaler=scaler)
+    out: dict[str, Any] = {"alarm": None}
+    before = weights(model)
+    try:
+        for step in range(6):
+            before = weights(model)
+            batch = _sample(rank)
+            batch["scale"] = torch.tensor(float("inf") if (rank, step) == (1, 3) else 1.0)
+            guard.step(batch)
+    except sg.SilentDataCorruption as exc:
+        out["alarm"] = exc.alarm.to_json()
+    out["unchanged"] = all(
+        bool((a == b).all()) for a, b in zip(before, weights(model), strict=True)
+    )
+    out["finite"] = all(bool(torch.isfinite(w).all()) for w in weights(model))
+    return out
+
+
+def eval_then_save(run_dir: str, stop_after: int, steps: int = 7) -> dict[str, Any]:
+    """nanoGPT's order: evaluate (drawing from the global RNG), save, then train; batches
+    from the global RNG. Stops after `stop_after` steps (an interruption) or runs to `steps`."""
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    guard = sg.Guard(ddp, opt, lm_loss, run_dir, config=sg.GuardConfig(replay_every=2))
+    torch.manual_seed(100 + rank)
+    start = guard.resume()
+    losses: dict[int, float] = {}
+    for step in range(start, min(steps, stop_after)):
+        if step % 2 == 0 and step > 0:
+            model.eval()
+            with torch.no_grad():
+                lm_loss(model, _sample(rank))  # the eval's batch draws from the global RNG
+            model.train()
+            guard.save_checkpoint()
+        losses[step] = guard.step(_sample(rank))
+    return {"start": start, "losses": losses, "final": weights(model)}

@@ -81,6 +81,7 @@ from slurm_guard.faults import Fault, FaultInjector, faults_from_env
 from slurm_guard.fingerprint import FastFingerprinter, Fingerprinter
 from slurm_guard.protocol import Check
 from slurm_guard.rundir.alarms import AlarmWriter
+from slurm_guard.rundir.checkpoint import rng_state
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import LedgerEntry, append_ledger
 from slurm_guard.rundir.start import OpenedRun, open_run_dir, write_run_file
@@ -210,6 +211,7 @@ class GuardCore(StepCalls):
             broadcast_buffers=getattr(model, "broadcast_buffers", False),
         )
         self.step_count = 0
+        self.rng_after_step: dict[str, torch.Tensor] | None = None  # see _updated
         self.last_grad_norm: torch.Tensor | None = None  # the clip's norm, on the device
         self._open: tuple[StepPlan, list[Captured]] | None = None  # capture() .. check()
         self._checked: tuple[StepPlan, StepResult] | None = None  # check() .. after_update()
@@ -357,6 +359,9 @@ class GuardCore(StepCalls):
             if self.config.is_vote_step(plan.step):
                 self.vote(plan.step)
         self.step_count = plan.step + 1
+        # what a checkpoint saves: an eval or logging between this step and the save draws
+        # from the RNG again after a resume, so the restored state must be the one before it
+        self.rng_after_step = rng_state()
 
     def _replay(self, captured: Captured) -> ReplayOutput:
         """Recompute another rank's step here (faults that hit this rank's replays apply)."""
