@@ -80,6 +80,10 @@ class GuardConfig:
             fingerprints. Below it the gather is cheaper: on gloo at 2-8 ranks two tiny
             all-reduces cost more than one gather (benchmarks/README.md, Scaling). 1 always
             uses the fast path.
+        max_grad_norm: clip the averaged gradients to this total 2-norm (as
+            `torch.nn.utils.clip_grad_norm_`) after the checks passed and the GradScaler
+            unscaled them, before the optimizer step; `guard.last_grad_norm` is the norm before
+            clipping, a 0-dim tensor on the device. None: no clipping.
     """
 
     replay_every: int = 10
@@ -101,6 +105,7 @@ class GuardConfig:
     abft_block: int = 64
     triage_seconds: float = 20.0
     fast_path_world: int = 32
+    max_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -158,6 +163,14 @@ class GuardConfig:
             raise ConfigError(
                 f"GuardConfig.triage_seconds={self.triage_seconds!r}: must be from 0 (off) to "
                 "3600; the default 20 repeats a tiny step 3 times and a large one at least once"
+            )
+        norm = self.max_grad_norm
+        if norm is not None and (
+            isinstance(norm, bool) or not isinstance(norm, (int, float)) or not norm > 0
+        ):
+            raise ConfigError(
+                f"GuardConfig.max_grad_norm={norm!r}: must be None (no clipping) or a positive "
+                "number (1.0 in most LLM recipes)"
             )
         object.__setattr__(self, "faults", tuple(self.faults))
 
@@ -243,5 +256,6 @@ class GuardConfig:
             "abft_block": self.abft_block,
             "triage_seconds": self.triage_seconds,
             "fast_path_world": self.fast_path_world,
+            "max_grad_norm": self.max_grad_norm,
             "faults": [f.describe() for f in self.faults],
         }

@@ -19,8 +19,9 @@ import torch.distributed as dist
 from slurm_guard.checks.replay import Microbatches
 from slurm_guard.checks.verdicts import bits_to_float
 from slurm_guard.core import checkpoints
+from slurm_guard.core.calls import NO_SYNC
 from slurm_guard.core.session import GuardCore
-from slurm_guard.errors import EXIT_SDC, SilentDataCorruption
+from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
 from slurm_guard.fingerprint import as_int
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class Guard(GuardCore):
             SilentDataCorruption: on every rank, after the alarm record is written; the update
                 of this step is not applied (a vote alarm judges an update already applied).
         """
+        if not self.ddp.require_backward_grad_sync:  # the same on every rank: before any collective
+            raise GuardError(NO_SYNC.format(call="guard.step()"))
         plan = self.begin_step(batch)
         micro = list(batch) if isinstance(batch, Microbatches) else [batch]
         losses = []

@@ -56,11 +56,37 @@ class Captured:
     cpu_rng: torch.Tensor
     cuda_rng: torch.Tensor | None
     reference: torch.Tensor | None = None  # tolerance mode: the owner's loss and sketches
+    # `GuardCore.capture`: each microbatch's own RNG state, stacked (the user's loop may draw
+    # from the RNG between microbatches, e.g. to sample the next batch); None: one state for all
+    micro_cpu_rng: torch.Tensor | None = None
+    micro_cuda_rng: torch.Tensor | None = None
 
 
 def capture(batch: Batch) -> Captured:
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     return Captured(batch=batch, cpu_rng=torch.get_rng_state(), cuda_rng=cuda_rng)
+
+
+def captured_microbatches(parts: Sequence[Captured]) -> Captured:
+    """One step's captures (one per microbatch, in order) as the Captured a replay needs."""
+    if len(parts) == 1:
+        return parts[0]
+    cuda = [p.cuda_rng for p in parts if p.cuda_rng is not None]
+    return Captured(
+        batch=Microbatches(p.batch for p in parts),
+        cpu_rng=parts[0].cpu_rng,
+        cuda_rng=parts[0].cuda_rng,
+        micro_cpu_rng=torch.stack([p.cpu_rng for p in parts]),
+        micro_cuda_rng=torch.stack(cuda) if cuda else None,
+    )
+
+
+def _set_rng(cpu: torch.Tensor, cuda: torch.Tensor | None) -> None:
+    # clone: a row of the stacked states is a view at an offset, which set_rng_state reads from
+    # the start of its storage (a segmentation fault on torch 2.13)
+    torch.set_rng_state(cpu.clone())
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda.clone())
 
 
 def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -101,7 +127,13 @@ def pack(captured: Captured) -> torch.Tensor:
     """One uint8 buffer: JSON header (structure, dtypes, shapes, devices) then the raw bytes."""
     tensors: list[torch.Tensor] = []
     spec = _flatten(captured.batch, tensors)
-    extra = [captured.cpu_rng, captured.cuda_rng, captured.reference]
+    extra = [
+        captured.cpu_rng,
+        captured.cuda_rng,
+        captured.reference,
+        captured.micro_cpu_rng,
+        captured.micro_cuda_rng,
+    ]
     present = [t is not None for t in extra]
     extra_tensors = [t for t in extra if t is not None]
     meta = [
@@ -136,13 +168,17 @@ def unpack(buffer: torch.Tensor, device: torch.device) -> Captured:
         tensors.append(t.to(device) if m["cuda"] else t)
     n = header["n_batch"]
     rest = iter(tensors[n:])
-    cpu_rng, cuda_rng, reference = (next(rest) if p else None for p in header["extra"])
+    cpu_rng, cuda_rng, reference, micro_cpu, micro_cuda = (
+        (next(rest).cpu() if p else None) for p in header["extra"]
+    )
     assert cpu_rng is not None
     return Captured(
         batch=_unflatten(header["spec"], tensors[:n]),
         cpu_rng=cpu_rng,
-        cuda_rng=cuda_rng.cpu() if cuda_rng is not None else None,
-        reference=reference.cpu() if reference is not None else None,
+        cuda_rng=cuda_rng,
+        reference=reference,
+        micro_cpu_rng=micro_cpu,
+        micro_cuda_rng=micro_cuda,
     )
 
 
@@ -229,10 +265,11 @@ def recompute(
     with preserved_state(module):
         _replaying = True
         try:
-            torch.set_rng_state(captured.cpu_rng)
-            if captured.cuda_rng is not None and torch.cuda.is_available():
-                torch.cuda.set_rng_state(captured.cuda_rng)
-            for mb in micro:
+            _set_rng(captured.cpu_rng, captured.cuda_rng)
+            for i, mb in enumerate(micro):
+                if captured.micro_cpu_rng is not None:
+                    cuda = captured.micro_cuda_rng
+                    _set_rng(captured.micro_cpu_rng[i], cuda[i] if cuda is not None else None)
                 loss = loss_fn(module, mb)
                 raw = torch.autograd.grad(
                     scale(loss) if scale else loss, list(params), allow_unused=True

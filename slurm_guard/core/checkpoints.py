@@ -52,6 +52,7 @@ def save_checkpoint(core: GuardCore) -> Path:
             rank,
             core.module.state_dict() if rank == 0 else None,
             core.optimizer.state_dict() if rank == 0 else None,
+            core.rng_after_step,
         )
     except Exception as exc:  # any failure must reach every rank, not hang them
         logger.exception("rank %d could not write its checkpoint files", rank)

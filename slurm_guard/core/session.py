@@ -9,6 +9,27 @@ in a fixed order on every rank:
     result = core.finish_step(plan, losses)  # the collective checks; raises on an alarm
     core.apply_update(plan, result)       # the optimizer step only if every check passed
 
+For a loop the user or a framework owns, the same step as public calls, per microbatch:
+
+    for mb in microbatches:
+        guard.capture(mb)                 # before its forward: batch and RNG state for a replay
+        loss = loss_fn(model, mb)         # the framework's forward; the last backward synced
+        scaled(loss).backward()           # (all but the last under model.no_sync())
+        losses.append(loss)
+    checked = guard.check(losses)         # the checks; raises SilentDataCorruption on an alarm
+    guard.update()                        # or: if checked.apply: optimizer.step(); then
+                                          #     guard.after_update()
+
+The first `capture` of a step starts it (arrival, the hook's reset) and zeroes the gradients
+(`zero_grad(set_to_none=True)`, as `Guard.step` does): a replay recomputes the step's gradient
+from nothing, so a gradient left over from before the step would be an alarm, and a framework
+that zeroes after its update loses nothing. `check` needs each microbatch's loss as `loss_fn`
+returns it (the value a replay recomputes), and clips with `GuardConfig(max_grad_norm=...)`
+after the checks passed and the scaler unscaled: the norm is `guard.last_grad_norm`, a 0-dim
+tensor on the device, identical on every rank (no host sync). `after_update` (or `update`,
+which steps the optimizer itself) must follow every `check`, applied or not: it runs the vote
+when one is due and counts the step.
+
 Saving and resuming are `core.checkpoints`; both take a core.
 """
 
@@ -18,7 +39,6 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
@@ -47,6 +67,7 @@ from slurm_guard.checks.verifier import Verifier
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.config import GuardConfig
+from slurm_guard.core.calls import NO_SYNC, StepCalls, StepPlan
 from slurm_guard.core.setup import (
     agree_on_seed,
     announce_faults,
@@ -60,6 +81,7 @@ from slurm_guard.faults import Fault, FaultInjector, faults_from_env
 from slurm_guard.fingerprint import FastFingerprinter, Fingerprinter
 from slurm_guard.protocol import Check
 from slurm_guard.rundir.alarms import AlarmWriter
+from slurm_guard.rundir.checkpoint import rng_state
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import LedgerEntry, append_ledger
 from slurm_guard.rundir.start import OpenedRun, open_run_dir, write_run_file
@@ -67,16 +89,7 @@ from slurm_guard.rundir.start import OpenedRun, open_run_dir, write_run_file
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """What `begin_step` decided for one step, handed back to `finish_step`."""
-
-    step: int
-    verify: bool  # a ring-replay step
-    captured: Captured
-
-
-class GuardCore:
+class GuardCore(StepCalls):
     """Guarded DDP training without the loop: see the module docstring for the order of calls.
 
     Args are `Guard`'s (the DDP model, its optimizer, `loss_fn(model, batch)`, the shared run
@@ -187,7 +200,8 @@ class GuardCore:
             config=self.config,
             ledger=self._ledger,
             params=self.params,
-            scaler_active=scaler is not None,
+            # a disabled scaler (GradScaler(enabled=False): bf16, CPU) never skips an update
+            scaler_active=scaler is not None and scaler.is_enabled(),
             abft=self.abft,
         )
         self.replicated = ReplicatedState(
@@ -197,6 +211,10 @@ class GuardCore:
             broadcast_buffers=getattr(model, "broadcast_buffers", False),
         )
         self.step_count = 0
+        self.rng_after_step: dict[str, torch.Tensor] | None = None  # see _updated
+        self.last_grad_norm: torch.Tensor | None = None  # the clip's norm, on the device
+        self._open: tuple[StepPlan, list[Captured]] | None = None  # capture() .. check()
+        self._checked: tuple[StepPlan, StepResult] | None = None  # check() .. after_update()
         self.last_verified_step: int | None = None
         self.verified_steps: list[int] = []  # passing replays since the resumed checkpoint
         self._settled = not self.config.settle_buckets
@@ -298,6 +316,8 @@ class GuardCore:
         Raises:
             SilentDataCorruption: on every rank, after the alarm record is written.
         """
+        if self.hook.buckets == 0:  # every rank sees it: none reaches a collective mismatched
+            raise GuardError(NO_SYNC.format(call="the step's last backward"))
         step_loss = combined_loss(losses)
         result = self.verifier.check_step(plan.step, step_loss, plan.captured, plan.verify)
         if result.verified:
@@ -312,15 +332,36 @@ class GuardCore:
     def apply_update(self, plan: StepPlan, result: StepResult) -> None:
         """The optimizer step if the checks allow it, then the vote when one is due."""
         if not result.skip_update:
-            if self.scaler is not None:
-                self.scaler.step(self.optimizer)  # skips the update itself on an overflow
-                self.scaler.update()
-            else:
-                self.optimizer.step()
+            self._clip()
+            self._optimizer_step()
+        self._updated(plan, result)
+
+    def _clip(self) -> None:
+        """`max_grad_norm`: after the checks and the scaler's unscale, before the update."""
+        if self.config.max_grad_norm is None:
+            return
+        if self.scaler is not None and self.scaler.is_enabled():
+            self.scaler.unscale_(self.optimizer)  # scaler.step then does not unscale again
+        # on the averaged gradients, so the norm is the same on every rank; no host read
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.max_grad_norm)
+        self.last_grad_norm = norm.detach()
+
+    def _optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips the update itself on an overflow
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def _updated(self, plan: StepPlan, result: StepResult) -> None:
+        if not result.skip_update:
             self.injector.after_update()
             if self.config.is_vote_step(plan.step):
                 self.vote(plan.step)
         self.step_count = plan.step + 1
+        # what a checkpoint saves: an eval or logging between this step and the save draws
+        # from the RNG again after a resume, so the restored state must be the one before it
+        self.rng_after_step = rng_state()
 
     def _replay(self, captured: Captured) -> ReplayOutput:
         """Recompute another rank's step here (faults that hit this rank's replays apply)."""

@@ -61,16 +61,33 @@ def _save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def write_rank_files(stage: Path, rank: int, model_state: Any, optim_state: Any) -> None:
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's RNG states (CPU, and CUDA where there is one): host copies, no sync."""
+    rng = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def write_rank_files(
+    stage: Path,
+    rank: int,
+    model_state: Any,
+    optim_state: Any,
+    rng: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Called on every rank; only rank 0 passes model and optimizer state.
+
+    `rng` is the RNG state as the last completed step left it (None: now). A loop that draws
+    from the RNG between steps (an eval before the save) does so again after a resume, so the
+    state to restore is the one before it, not the one at save time.
 
     checkpoints/ must exist: it is never recreated here, so a run directory that vanished
     mid-run (or a shared filesystem that went away) fails the save instead of receiving it.
     """
     stage.mkdir(exist_ok=True)
-    rng = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
+    if rng is None:
+        rng = rng_state()
     _save(rng, stage / rng_file(rank))
     if model_state is not None:
         _save(model_state, stage / MODEL_FILE)
