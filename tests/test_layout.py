@@ -74,6 +74,7 @@ JOB_SIDE_PACKAGES = (
     "slurm_guard.core",
     "slurm_guard.faults",
     "slurm_guard.fingerprint",
+    "slurm_guard.integrations",
     "slurm_guard.kernels",
     "slurm_guard.local",
     "slurm_guard.rundir",
@@ -181,6 +182,18 @@ def test_an_old_path_keeps_its_names() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True", "True"], out.stdout + out.stderr
+
+
+def test_the_job_side_loads_no_framework_at_import() -> None:
+    """Importing the package, the core or the integrations package pulls in no framework: the
+    base install has none, and the frameworks' own imports cost seconds on every rank."""
+    code = (
+        "import sys, slurm_guard, slurm_guard.core, slurm_guard.guard, slurm_guard.integrations\n"
+        "names = ('transformers', 'accelerate', 'lightning', 'pytorch_lightning')\n"
+        "print(sorted(n for n in names if n in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_the_job_side_never_imports_the_admin_side() -> None:

@@ -83,12 +83,29 @@ class ResumePlan:
         )
 
 
-def plan_resume(run_dir: RunDir, trust_replays: int = 1, *, fresh: bool = False) -> ResumePlan:
-    """Which checkpoints a restart may load, newest first; RunDirError where that is unknowable.
+@dataclass(frozen=True)
+class TrustWindow:
+    """Which checkpoint steps the pending alarms still allow, as the resume rule decides.
+
+    Shared by the guard's own checkpoints and a framework's (`slurm_guard.integrations`), so
+    the two can never disagree about what is trusted.
+    """
+
+    up_to: int | None  # the newest allowed step; None: no alarm limits the choice
+    nothing_trusted: bool  # an alarm with too few passing replays before it: start over
+    pending_alarms: list[str]  # alarms (and lost alarms) a resume rolls back
+    verified: list[int]  # passing replay steps from the ledger
+
+    def allows(self, step: int) -> bool:
+        return not self.nothing_trusted and (self.up_to is None or step <= self.up_to)
+
+
+def trust_window(run_dir: RunDir, trust_replays: int = 1, *, fresh: bool = False) -> TrustWindow:
+    """The resume rule's limit from alarms/, handled/ and the ledger; RunDirError if unknowable.
 
     Raises RunDirError (unless `fresh`) for an alarm file that cannot be read or is of a newer
-    schema and is not marked handled, and for an alarms/, checkpoints/ or handled/ directory
-    that cannot be listed.
+    schema and is not marked handled, and for an alarms/ or handled/ directory that cannot be
+    listed.
     """
     handled = run_dir.handled_ids()
     alarms, _ = run_dir.alarms()
@@ -103,32 +120,40 @@ def plan_resume(run_dir: RunDir, trust_replays: int = 1, *, fresh: bool = False)
             "loaded, so the guard will not guess: move the file out of alarms/ if it is not a "
             f"real alarm. {OVERRIDE_HINT}"
         )
-    scan = run_dir.scan_checkpoints()  # RunDirError if checkpoints/ cannot be listed
     verified = [e.step for e in read_ledger(run_dir.ledger) if e.check == "replay" and e.passed]
     ids = [a.alarm_id for a in pending] + [a.alarm_id for a in lost] + sorted(unreadable)
-    if fresh:
-        logger.warning(
-            "SLURM_GUARD_RESUME=fresh: starting from step 0; %d checkpoints move to quarantine/",
-            len(scan.metas) + len(scan.damaged),
-        )
-        return ResumePlan(run_dir, [], {}, ids, verified, fresh=True)
     # A numerical verdict stopped before its update: the weights are fine, nothing to undo.
     limits = [
         trust_limit(a.last_verified_step, verified, trust_replays)
         for a in pending
         if a.verdict != "numerical"
     ] + [a.trust_upto for a in lost]
-    trusted_none = any(limit is None for limit in limits)
-    up_to = None if not limits or trusted_none else min(x for x in limits if x is not None)
+    nothing = any(limit is None for limit in limits)
+    up_to = None if not limits or nothing else min(x for x in limits if x is not None)
+    return TrustWindow(up_to, nothing, ids, verified)
 
-    def allowed(step: int) -> bool:
-        return not trusted_none and (up_to is None or step <= up_to)
 
+def plan_resume(run_dir: RunDir, trust_replays: int = 1, *, fresh: bool = False) -> ResumePlan:
+    """Which checkpoints a restart may load, newest first; RunDirError where that is unknowable.
+
+    Raises RunDirError (unless `fresh`) for an alarm file that cannot be read or is of a newer
+    schema and is not marked handled, and for an alarms/, checkpoints/ or handled/ directory
+    that cannot be listed.
+    """
+    window = trust_window(run_dir, trust_replays, fresh=fresh)
+    scan = run_dir.scan_checkpoints()  # RunDirError if checkpoints/ cannot be listed
+    ids, verified = window.pending_alarms, window.verified
+    if fresh:
+        logger.warning(
+            "SLURM_GUARD_RESUME=fresh: starting from step 0; %d checkpoints move to quarantine/",
+            len(scan.metas) + len(scan.damaged),
+        )
+        return ResumePlan(run_dir, [], {}, ids, verified, fresh=True)
     candidates = sorted(
-        (m for m in scan.metas if m.clean_vote and allowed(m.step)),
+        (m for m in scan.metas if m.clean_vote and window.allows(m.step)),
         key=lambda m: -m.step,
     )
-    damaged = {s: p for s, p in scan.damaged.items() if allowed(s)}
+    damaged = {s: p for s, p in scan.damaged.items() if window.allows(s)}
     for step, problem in sorted(damaged.items()):
         logger.warning("skipping checkpoint step-%08d: %s", step, problem)
     return ResumePlan(run_dir, candidates, damaged, ids, verified)

@@ -1,0 +1,154 @@
+"""HF Trainer runs for tests/test_integration_hf.py, on real gloo processes (spawned).
+
+A tiny GPT-2 (2 layers, width 64, dropout on), random token data made from a fixed seed, 3
+ranks, 2 microbatches per step: nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import slurm_guard as sg
+
+VOCAB, SEQ, WIDTH = 128, 16, 64
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Random token rows from a fixed seed; `nan_row` turns one row into NaN embeddings."""
+
+    def __init__(self, n: int = 240, nan_row: int | None = None) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+        self.embeds = torch.randn(n, SEQ, WIDTH, generator=g) if nan_row is not None else None
+        if self.embeds is not None and nan_row is not None:
+            self.embeds[nan_row, 3, 5] = float("nan")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if self.embeds is not None:
+            return {"inputs_embeds": self.embeds[i], "labels": self.ids[i]}
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def state_sha(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(
+    out: str,
+    run_dir: str,
+    max_steps: int,
+    config: sg.GuardConfig | None = None,
+    *,
+    guarded: bool = True,
+    save_steps: int = 0,
+    nan_row: int | None = None,
+    accumulation: int = 2,
+) -> dict[str, Any]:
+    """One Trainer run (resuming from what the guard trusts); the final state's hash."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from slurm_guard.integrations.hf import GuardedTrainer
+
+    # run_local made the process group; accelerate still reads the launcher's variables
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "1")
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=WIDTH, vocab_size=VOCAB, n_positions=SEQ)
+    model = GPT2LMHeadModel(cfg)
+    args = TrainingArguments(
+        output_dir=out,
+        use_cpu=True,
+        ddp_backend="gloo",
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        max_grad_norm=1.0,
+        max_steps=max_steps,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        logging_steps=1,
+        report_to=[],
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        lr_scheduler_type="linear",
+        learning_rate=1e-3,
+        ddp_find_unused_parameters=False,
+    )
+    data = Tokens(nan_row=nan_row)
+    logged: list[dict[str, float]] = []
+    if guarded:
+        trainer: Trainer = GuardedTrainer(
+            model=model,
+            args=args,
+            train_dataset=data,
+            guard_run_dir=run_dir,
+            guard_config=config,
+            guard_exit_on_alarm=False,
+        )
+    else:
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+    start = [-1]
+    orig_log = trainer.log
+
+    def log(logs: dict[str, float], *a: Any, **k: Any) -> None:
+        logged.append(dict(logs))
+        orig_log(logs, *a, **k)
+
+    trainer.log = log  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    finally:
+        chosen = getattr(trainer, "_guard_chosen", None)
+        start[0] = -1 if chosen is None else chosen.step
+    return {
+        "sha": state_sha(trainer.model),  # type: ignore[arg-type]
+        "global_step": trainer.state.global_step,
+        "resumed_from": start[0],
+        "grad_norms": [x["grad_norm"] for x in logged if "grad_norm" in x],
+        "rank": dist.get_rank(),
+    }
+
+
+def clean_and_nan(root: str) -> dict[str, Any]:
+    """A clean 8-step run and a run whose data holds one NaN sample, in one process group."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed")
+    clean = train(f"{root}/clean-out", f"{root}/clean-run", 8, config)
+    plain = train(f"{root}/plain-out", f"{root}/plain-run", 8, guarded=False)
+    try:
+        train(f"{root}/nan-out", f"{root}/nan-run", 4, config, nan_row=30)
+        nan: Any = None
+    except sg.SilentDataCorruption as exc:
+        nan = exc.alarm.to_json()
+    return {"clean": clean, "plain": plain, "nan": nan}
+
+
+def faulty(root: str) -> dict[str, Any]:
+    """A persistent gradient fault on node3 from step 4; a checkpoint after every step."""
+    fault = sg.Fault(kind="grad-scale", node="node3", step=4, persistent=True)
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", faults=(fault,))
+    return train(f"{root}/fault-out", f"{root}/fault-run", 8, config, save_steps=1)
+
+
+def resumed(root: str) -> dict[str, Any]:
+    """The requeued job (without the faulty node): resumes from what the guard trusts."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed")
+    return train(f"{root}/fault-out", f"{root}/fault-run", 8, config, save_steps=1)
+
+
+def listing(path: str) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("checkpoint-*"))
