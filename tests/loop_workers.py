@@ -165,6 +165,7 @@ def scheduled_loop(
     steps: int,
     faults: tuple[sg.Fault, ...] = (),
     save_every: int = 3,
+    more_stateful: bool = False,
 ) -> dict[str, Any]:
     """Eval, save, train with a LambdaLR schedule and a stateful data position, both handed to
     the guard as `stateful`; stops at an alarm. Resumes from the run directory first."""
@@ -176,11 +177,15 @@ def scheduled_loop(
     data = Position()
     rank = dist.get_rank()
     config = sg.GuardConfig(replay_every=2, vote_every=2, faults=faults)
-    guard = sg.Guard(
-        ddp, opt, lm_loss, run_dir, config=config, stateful={"lr_scheduler": sched, "data": data}
-    )
+    stateful: dict[str, Any] = {"lr_scheduler": sched, "data": data}
+    if more_stateful:
+        stateful["ema"] = Position()  # given now, never saved
+    guard = sg.Guard(ddp, opt, lm_loss, run_dir, config=config, stateful=stateful)
     torch.manual_seed(100 + rank)
-    start = guard.resume()
+    try:
+        start = guard.resume()
+    except sg.GuardError as exc:
+        return {"resume_error": f"{type(exc).__name__}: {exc}"}
     out: dict[str, Any] = {"start": start, "losses": {}, "alarm": None}
     try:
         for step in range(start, steps):

@@ -87,3 +87,10 @@ def test_rank_0_alone_decides_whether_every_rank_saves(tmp_path: Path) -> None:
     ]
     assert [r["dict"] for r in out] == [{"rank": 2, "best": 0.5}] * 3
     assert [r["nan"] for r in out] == ["RankFailed"] * 3
+
+
+def test_a_stateful_name_the_checkpoint_lacks_stops_the_resume_naming_it(tmp_path: Path) -> None:
+    _ok(run_local(scheduled_loop, 3, args=(str(tmp_path), 4), nodes=NODES))  # saves step 3
+    out = _ok(run_local(scheduled_loop, 3, args=(str(tmp_path), 4, (), 3, True), nodes=NODES))
+    errors = [r.get("resume_error") for r in out]
+    assert all(e is not None and "'ema'" in e and "step-00000003" in e for e in errors), errors
