@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from slurm_guard.checks.replay import Microbatches
 from slurm_guard.checks.verdicts import bits_to_float
-from slurm_guard.core import checkpoints
+from slurm_guard.core import checkpoints, decide
 from slurm_guard.core.calls import NO_SYNC
 from slurm_guard.core.session import GuardCore
 from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
@@ -39,7 +39,11 @@ class Guard(GuardCore):
         config: what to check and how often.
         scaler: the GradScaler for mixed precision, if any. The guard scales the loss, steps
             through the scaler, and treats its overflow skips (non-finite gradients that a
-            replay on another node reproduces) as expected, not as alarms.
+            replay on another node reproduces) as expected, not as alarms. An enabled
+            scaler's state is saved in every checkpoint and restored by `resume`.
+        stateful: more state a resume must restore, by name: `{"lr_scheduler": sched,
+            "data": loader}`, anything with `state_dict()` / `load_state_dict()`. Saved per
+            rank in every checkpoint under its seal; the names must be the same on every rank.
     """
 
     def step(self, batch: Any) -> float:
@@ -72,9 +76,24 @@ class Guard(GuardCore):
         # microbatches), read with the verdicts instead of a float(loss) sync per step
         return bits_to_float(self.verifier.last_loss_bits) / len(losses)
 
-    def save_checkpoint(self) -> Path:
-        """Vote, then save atomically into run_dir/checkpoints/step-N (N = completed steps)."""
+    def save_checkpoint(self, if_: bool | None = None) -> Path | None:
+        """Vote, then save atomically into run_dir/checkpoints/step-N (N = completed steps).
+
+        With `if_`, rank 0's flag decides on every rank (`agree_on`): pass "validation
+        improved" as rank 0 computed it, and every rank saves or none does. Returns the path,
+        or None when nothing was saved.
+        """
+        if if_ is not None and not self.agree_on(bool(if_), src=0):
+            return None
         return checkpoints.save_checkpoint(self)
+
+    def agree_on(self, value: Any, src: int = 0) -> Any:
+        """Rank `src`'s value (JSON-able: a bool, a number, a small dict) on every rank.
+
+        Every rank must call it, with the same `src`; use it for decisions one rank makes
+        (stop early, save now), so no rank takes a branch with collectives the others skip.
+        """
+        return decide.agree_on(self.comm, value, src)
 
     def resume(self) -> int:
         """Load the trusted checkpoint; return the step to start from (0 on a fresh run).

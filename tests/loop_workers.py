@@ -4,6 +4,7 @@ this module): `capture` / `check` / `update`, the nanoGPT-style loop of issue 23
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -128,3 +129,114 @@ def eval_then_save(run_dir: str, stop_after: int, steps: int = 7) -> dict[str, A
             guard.save_checkpoint()
         losses[step] = guard.step(_sample(rank))
     return {"start": start, "losses": losses, "final": weights(model)}
+
+
+class Position:
+    """A data loader's position in miniature: the batches a rank has consumed so far."""
+
+    def __init__(self) -> None:
+        self.consumed = 0
+
+    def next_batch(self, rank: int) -> dict[str, torch.Tensor]:
+        """The batch of this rank at this position: the data order is seeded by the position."""
+        gen = torch.Generator().manual_seed(1000 * rank + self.consumed)
+        self.consumed += 1
+        start = torch.randint(0, SMALL.vocab, (4, 1), generator=gen)
+        seq = (start + 3 * torch.arange(SMALL.context + 1) + rank) % SMALL.vocab
+        return {"tokens": seq[:, :-1], "targets": seq[:, 1:]}
+
+    def state_dict(self) -> dict[str, int]:
+        return {"consumed": self.consumed}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.consumed = int(state["consumed"])
+
+
+def warmup_cosine(step: int, warmup: int = 3, total: int = 12) -> float:
+    """nanoGPT's learning-rate schedule as a LambdaLR factor: linear warmup, cosine decay."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def scheduled_loop(
+    run_dir: str,
+    steps: int,
+    faults: tuple[sg.Fault, ...] = (),
+    save_every: int = 3,
+    more_stateful: bool = False,
+) -> dict[str, Any]:
+    """Eval, save, train with a LambdaLR schedule and a stateful data position, both handed to
+    the guard as `stateful`; stops at an alarm. Resumes from the run directory first."""
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)  # dropout: the RNG state matters too
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine)
+    data = Position()
+    rank = dist.get_rank()
+    config = sg.GuardConfig(replay_every=2, vote_every=2, faults=faults)
+    stateful: dict[str, Any] = {"lr_scheduler": sched, "data": data}
+    if more_stateful:
+        stateful["ema"] = Position()  # given now, never saved
+    guard = sg.Guard(ddp, opt, lm_loss, run_dir, config=config, stateful=stateful)
+    torch.manual_seed(100 + rank)
+    try:
+        start = guard.resume()
+    except sg.GuardError as exc:
+        return {"resume_error": f"{type(exc).__name__}: {exc}"}
+    out: dict[str, Any] = {"start": start, "losses": {}, "alarm": None}
+    try:
+        for step in range(start, steps):
+            if step % save_every == 0 and step > 0:
+                model.eval()
+                with torch.no_grad():
+                    lm_loss(model, _sample(rank))  # the eval draws from the global RNG
+                model.train()
+                guard.save_checkpoint()
+            out["losses"][step] = guard.step(data.next_batch(rank))
+            sched.step()
+    except sg.SilentDataCorruption as exc:
+        out["alarm"] = exc.alarm.to_json()
+    out["final"] = weights(model)
+    out["last_lr"] = sched.get_last_lr()
+    out["consumed"] = data.consumed
+    return out
+
+
+def rank0_decides(run_dir: str) -> dict[str, Any]:
+    """Every rank sees a different validation loss; only rank 0's "improved" may decide."""
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    guard = sg.Guard(ddp, opt, lm_loss, run_dir, config=sg.GuardConfig(replay_every=2))
+    data = Position()
+    # rank 0 improves at steps 0, 2, 3; the others at other steps: left to each rank, the
+    # ranks would save at different steps and stop with CollectiveMismatch
+    vals = {
+        0: [5.0, 6.0, 4.0, 3.0, 7.0],
+        1: [5.0, 4.0, 6.0, 6.0, 3.0],
+        2: [1.0, 2.0, 3.0, 0.5, 9.0],
+    }
+    best = float("inf")
+    saved: list[int] = []
+    out: dict[str, Any] = {"error": None}
+    try:
+        for step, val in enumerate(vals[rank]):
+            guard.step(data.next_batch(rank))
+            improved = val < best
+            best = min(best, val)
+            if guard.save_checkpoint(if_=improved) is not None:
+                saved.append(step)
+        out["dict"] = guard.agree_on({"rank": rank, "best": best}, src=2)
+        try:
+            guard.agree_on(float("nan") if rank == 1 else 0, src=1)  # not JSON: fails everywhere
+        except sg.GuardError as exc:
+            out["nan"] = type(exc).__name__
+    except sg.GuardError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["saved"] = saved
+    return out

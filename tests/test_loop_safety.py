@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from loop_workers import disabled_scaler_nan, eval_then_save
+from loop_workers import disabled_scaler_nan, eval_then_save, rank0_decides, scheduled_loop
 
+import slurm_guard as sg
 from slurm_guard.local.launch import run_local
 
 pytestmark = pytest.mark.distributed
@@ -39,3 +40,57 @@ def test_resume_is_bit_identical_when_the_loop_evaluates_before_it_saves(tmp_pat
     for a, b in zip(full, resumed, strict=True):
         assert {s: a["losses"][s] for s in b["losses"]} == b["losses"]
         assert all(torch.equal(x, y) for x, y in zip(a["final"], b["final"], strict=True))
+
+
+FAULT = (sg.Fault("grad-scale", rank=1, step=7, persistent=True, param=3),)
+
+
+def test_resume_after_an_alarm_restores_the_schedule_and_the_data_position(
+    tmp_path: Path,
+) -> None:
+    clean, hit = tmp_path / "clean", tmp_path / "hit"
+    clean.mkdir()
+    hit.mkdir()
+    full = _ok(run_local(scheduled_loop, 3, args=(str(clean), 12), nodes=NODES))
+    faulty = _ok(run_local(scheduled_loop, 3, args=(str(hit), 12, FAULT), nodes=NODES))
+    assert faulty[0]["alarm"] is not None, "the persistent fault was not caught"
+    resumed = _ok(run_local(scheduled_loop, 3, args=(str(hit), 12), nodes=NODES))
+    assert 0 < resumed[0]["start"] <= 7, resumed[0]["start"]
+    for a, b in zip(full, resumed, strict=True):
+        assert b["alarm"] is None
+        assert {s: a["losses"][s] for s in b["losses"]} == b["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["final"], b["final"], strict=True))
+        assert a["last_lr"] == b["last_lr"]
+        assert a["consumed"] == b["consumed"] == 12
+
+
+def test_a_tampered_stateful_file_makes_resume_skip_that_checkpoint(tmp_path: Path) -> None:
+    _ok(run_local(scheduled_loop, 3, args=(str(tmp_path), 10), nodes=NODES))  # saves 3, 6, 9
+    newest = tmp_path / "checkpoints" / "step-00000009"
+    victim = newest / "stateful-rank-1.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    resumed = _ok(run_local(scheduled_loop, 3, args=(str(tmp_path), 10), nodes=NODES))
+    assert resumed[0]["start"] == 6
+    assert all(r["consumed"] == 10 for r in resumed)
+
+
+def test_rank_0_alone_decides_whether_every_rank_saves(tmp_path: Path) -> None:
+    out = _ok(run_local(rank0_decides, 3, args=(str(tmp_path),), nodes=NODES))
+    assert [r["error"] for r in out] == [None] * 3
+    assert [r["saved"] for r in out] == [[0, 2, 3]] * 3  # rank 0's improvements
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step-*")) == [
+        "step-00000001",
+        "step-00000003",
+        "step-00000004",
+    ]
+    assert [r["dict"] for r in out] == [{"rank": 2, "best": 0.5}] * 3
+    assert [r["nan"] for r in out] == ["RankFailed"] * 3
+
+
+def test_a_stateful_name_the_checkpoint_lacks_stops_the_resume_naming_it(tmp_path: Path) -> None:
+    _ok(run_local(scheduled_loop, 3, args=(str(tmp_path), 4), nodes=NODES))  # saves step 3
+    out = _ok(run_local(scheduled_loop, 3, args=(str(tmp_path), 4, (), 3, True), nodes=NODES))
+    errors = [r.get("resume_error") for r in out]
+    assert all(e is not None and "'ema'" in e and "step-00000003" in e for e in errors), errors

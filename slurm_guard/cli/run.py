@@ -265,7 +265,43 @@ def submit_cmd(
     )
 
 
+@click.command("local", context_settings={"ignore_unknown_options": True})
+@click.option(
+    "-n",
+    "--nprocs",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Processes (ranks) to start; rank r poses as node r+1.",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="Seconds the other ranks get to exit after one fails, before they are stopped.",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def local_cmd(nprocs: int, grace: float, command: tuple[str, ...]) -> None:
+    """Run a training script on N local processes, each posing as its own node.
+
+    Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    (init_process_group("gloo") reads them) and SLURMD_NODENAME=node<r+1>. Exits 86 if any
+    rank was stopped by the guard (torchrun turns 86 into 1), else the first failure's code.
+
+    Example:
+
+        \b
+        slurm-guard local -n 3 -- python train.py --steps 20
+        SLURM_GUARD_INJECT=kind=grad-scale,node=node2,step=5,persistent=1 \\
+            slurm-guard local -n 3 -- python train.py
+    """
+    from slurm_guard.local.script import run_script
+
+    raise SystemExit(run_script(command, nprocs, grace_seconds=grace))
+
+
 def register_run_commands(group: click.Group) -> None:
     """Attach the run commands to the top-level group."""
+    group.add_command(local_cmd)
     group.add_command(drill_cmd)
     group.add_command(submit_cmd)

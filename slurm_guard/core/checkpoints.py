@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from slurm_guard.core import stateful
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint import as_hex
 from slurm_guard.rundir import checkpoint as ckpt
@@ -53,6 +54,7 @@ def save_checkpoint(core: GuardCore) -> Path:
             core.module.state_dict() if rank == 0 else None,
             core.optimizer.state_dict() if rank == 0 else None,
             core.rng_after_step,
+            stateful.collect(core.stateful, core.scaler),
         )
     except Exception as exc:  # any failure must reach every rank, not hang them
         logger.exception("rank %d could not write its checkpoint files", rank)
@@ -90,6 +92,14 @@ def resume(core: GuardCore) -> int:
     The rule and its failure modes are in `Guard.resume`'s docstring.
     """
     core.comm.arrive("resume()")
+    absent: dict[int, list[str]] = {}  # step -> the stateful names its checkpoint lacks
+
+    def restore_stateful(step: int, saved: Any) -> None:
+        names = stateful.missing(saved, core.stateful, core.scaler)
+        absent[step] = names
+        if not names:
+            stateful.restore(saved, core.stateful, core.scaler)
+
     load = functools.partial(
         load_checkpoint,
         core.run_dir,
@@ -99,9 +109,27 @@ def resume(core: GuardCore) -> int:
         fingerprinter=core.fingerprinter,
         state_tensors=core.state_tensors,
     )
+
+    def load_step(step: int) -> None:
+        if stateful.expected(core.stateful, core.scaler):
+            load(step, stateful=functools.partial(restore_stateful, step))
+        else:
+            load(step)
+
     resumed = resume_collectively(
-        core.comm, core.run_dir, core.rank, core.config.trust_replays, load
+        core.comm, core.run_dir, core.rank, core.config.trust_replays, load_step
     )
+    # A name given now that the checkpoint lacks is the loop's change, not damage: an older
+    # checkpoint would lack it too, and continuing without it is not the interrupted run.
+    names = absent.get(resumed.step, [])
+    problem = None
+    if names:
+        problem = (
+            f"checkpoint step-{resumed.step:08d} has no saved state for stateful "
+            f"{', '.join(repr(n) for n in names)}: it was saved without them. Resume without "
+            "them, or start fresh (SLURM_GUARD_RESUME=fresh)"
+        )
+    core.comm.share_problem(problem, "resume: the stateful objects")
     core.verified_steps = resumed.verified_steps
     if resumed.step < 0:
         core.step_count = 0

@@ -38,7 +38,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -76,6 +76,8 @@ from slurm_guard.core.setup import (
     warn_small_world,
 )
 from slurm_guard.core.state import ReplicatedState
+from slurm_guard.core.stateful import Stateful, check_stateful
+from slurm_guard.core.stateful import setup_fields as stateful_fields
 from slurm_guard.errors import GuardError
 from slurm_guard.faults import Fault, FaultInjector, faults_from_env
 from slurm_guard.fingerprint import FastFingerprinter, Fingerprinter
@@ -104,6 +106,7 @@ class GuardCore(StepCalls):
         run_dir: str | os.PathLike[str],
         config: GuardConfig | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        stateful: Mapping[str, Stateful] | None = None,
     ) -> None:
         if not isinstance(model, DistributedDataParallel):
             raise GuardError(
@@ -121,6 +124,7 @@ class GuardCore(StepCalls):
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.scaler = scaler
+        self.stateful = check_stateful(stateful)  # saved per rank in every checkpoint
         self.group: dist.ProcessGroup | None = model.process_group
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
@@ -132,7 +136,9 @@ class GuardCore(StepCalls):
         self.restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.comm.arrive("Guard() set-up")
-        check_same_setup(self.comm, self.config, self.params)
+        check_same_setup(
+            self.comm, self.config, self.params, stateful_fields(self.stateful, scaler)
+        )
         if not self.params:
             raise GuardError("the model has no trainable parameters: there is nothing to guard")
         self.comm.agree(lambda: check_run_dir(self.run_dir.root), "run directory check")

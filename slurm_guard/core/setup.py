@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 
@@ -45,10 +45,14 @@ def _version() -> str:
 
 
 def setup_fields(
-    config: GuardConfig, params: Sequence[torch.Tensor], comm: Collective
+    config: GuardConfig,
+    params: Sequence[torch.Tensor],
+    comm: Collective,
+    extra: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """Everything that must be identical on every rank, each as text."""
     fields = {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    fields.update(extra or {})
     fields["parameters (shapes and dtypes)"] = repr(
         [(tuple(p.shape), str(p.dtype)) for p in params]
     )
@@ -61,12 +65,18 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def check_same_setup(comm: Collective, config: GuardConfig, params: Sequence[torch.Tensor]) -> None:
+def check_same_setup(
+    comm: Collective,
+    config: GuardConfig,
+    params: Sequence[torch.Tensor],
+    extra: Mapping[str, str] | None = None,
+) -> None:
     """Raise ConfigError on every rank if any rank's settings, model or version differ.
 
-    The error names each differing rank and field, with both values where they are short.
+    `extra`: more fields by name (the stateful names: every rank saves and loads the same
+    files). The error names each differing rank and field, with both values where they are short.
     """
-    fields = setup_fields(config, params, comm)
+    fields = setup_fields(config, params, comm, extra)
     names = sorted(fields)
     key = "setup-fields"
     short = {n: v for n, v in fields.items() if len(v) <= 120}

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from slurm_guard.errors import GuardError
 from slurm_guard.rundir.layout import STAGING_PREFIX, RunDir
 from slurm_guard.rundir.records import atomic_write_json, fsync_dir
 from slurm_guard.rundir.trust import CheckpointMeta
@@ -34,6 +35,10 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 def rng_file(rank: int) -> str:
     return f"rng-rank-{rank}.pt"
+
+
+def stateful_file(rank: int) -> str:
+    return f"stateful-rank-{rank}.pt"
 
 
 def sha256_file(path: Path) -> str:
@@ -75,8 +80,12 @@ def write_rank_files(
     model_state: Any,
     optim_state: Any,
     rng: dict[str, torch.Tensor] | None = None,
+    stateful: Any = None,
 ) -> None:
     """Called on every rank; only rank 0 passes model and optimizer state.
+
+    `stateful` is this rank's `Guard(stateful=...)` state (None: none, no file); `publish`
+    seals it with the rest.
 
     `rng` is the RNG state as the last completed step left it (None: now). A loop that draws
     from the RNG between steps (an eval before the save) does so again after a resume, so the
@@ -89,6 +98,8 @@ def write_rank_files(
     if rng is None:
         rng = rng_state()
     _save(rng, stage / rng_file(rank))
+    if stateful is not None:
+        _save(stateful, stage / stateful_file(rank))
     if model_state is not None:
         _save(model_state, stage / MODEL_FILE)
         _save(optim_state, stage / OPTIMIZER_FILE)
@@ -153,13 +164,29 @@ def verify_files(run_dir: RunDir, meta: CheckpointMeta) -> str | None:
     return None
 
 
-def load(run_dir: RunDir, meta: CheckpointMeta, rank: int) -> dict[str, Any]:
+def load(
+    run_dir: RunDir, meta: CheckpointMeta, rank: int, stateful: bool = False
+) -> dict[str, Any]:
+    """This rank's part of a checkpoint; raises where it is unusable.
+
+    With `stateful`, the rank's stateful file must be there and sealed: a checkpoint without
+    it (written before the objects were given, or damaged) cannot restore them, and is skipped.
+    """
     directory = run_dir.checkpoint_path(meta.step)
     out: dict[str, Any] = {
         "model": torch.load(directory / MODEL_FILE, map_location="cpu", weights_only=True),
         "optimizer": torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True),
         "rng": None,
+        "stateful": None,
     }
+    if stateful:
+        name = stateful_file(rank)
+        if name not in meta.files:
+            raise GuardError(f"{directory.name} has no {name} (the stateful= objects' state)")
+        path = directory / name
+        if sha256_file(path) != meta.files[name]:  # rank 0 checked it; this is the bytes read
+            raise GuardError(f"{name} does not match its recorded sha256")
+        out["stateful"] = torch.load(path, map_location="cpu", weights_only=True)
     rng_path = directory / rng_file(rank)
     if rank < meta.world_size and rng_path.is_file():
         out["rng"] = torch.load(rng_path, map_location="cpu", weights_only=True)

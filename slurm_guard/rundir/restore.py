@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,11 +122,16 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     fingerprinter: Fingerprinter,
     state_tensors: Callable[[], list[torch.Tensor]],
+    stateful: Callable[[Any], None] | None = None,
 ) -> None:
-    """Load checkpoint `step` on this rank; raise if it is unusable here (no collectives)."""
+    """Load checkpoint `step` on this rank; raise if it is unusable here (no collectives).
+
+    `stateful` receives this rank's saved stateful state once the weights are proven: the
+    objects are never restored from a checkpoint whose weights fail their fingerprint.
+    """
     meta_path = run_dir.checkpoint_path(step) / "meta.json"
     meta = parse_checkpoint_meta(read_json_file(meta_path), str(meta_path))
-    state = ckpt.load(run_dir, meta, rank)
+    state = ckpt.load(run_dir, meta, rank, stateful=stateful is not None)
     module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if state["rng"] is not None:
@@ -142,3 +148,5 @@ def load_checkpoint(
             f"the loaded state does not reproduce the recorded weight fingerprint "
             f"({fingerprint} != {meta.weight_fingerprint})"
         )
+    if stateful is not None:
+        stateful(state["stateful"])

@@ -1,0 +1,110 @@
+"""The training state beyond the model and optimizer: LR schedulers, data loaders, the GradScaler.
+
+A resume that restores the weights but not the scheduler trains on at the wrong learning rate,
+and one that restores the weights but not the data loader's position feeds batches again or
+skips them: either way not the run that was interrupted. `Guard(stateful={...})` takes any
+object with `state_dict()` / `load_state_dict()` (torch's Stateful protocol); every checkpoint
+saves each of them per rank (a loader's position differs per rank), with the GradScaler's state
+when an enabled one is given, in `stateful-rank-<r>.pt` under the checkpoint's seal.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from slurm_guard.errors import GuardError
+
+logger = logging.getLogger(__name__)
+
+OBJECTS = "objects"
+SCALER = "grad_scaler"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What `Guard(stateful=...)` accepts: torch's `torch.distributed.checkpoint.Stateful`."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def check_stateful(objects: Mapping[str, Any] | None) -> dict[str, Stateful]:
+    """The objects by name; GuardError for a name or object the checkpoint could not carry."""
+    if objects is None:
+        return {}
+    if not isinstance(objects, Mapping):
+        raise GuardError(
+            f"stateful= must map names to objects ({{'lr_scheduler': sched}}), "
+            f"got {type(objects).__name__}"
+        )
+    out: dict[str, Stateful] = {}
+    for name, obj in objects.items():
+        if not isinstance(name, str) or not name:
+            raise GuardError(f"stateful= names must be non-empty strings, got {name!r}")
+        if not (
+            callable(getattr(obj, "state_dict", None))
+            and callable(getattr(obj, "load_state_dict", None))
+        ):
+            raise GuardError(
+                f"stateful[{name!r}] ({type(obj).__name__}) has no state_dict() and "
+                "load_state_dict(): the guard could not save or restore it"
+            )
+        out[name] = obj
+    return out
+
+
+def setup_fields(
+    objects: Mapping[str, Stateful], scaler: torch.amp.GradScaler | None
+) -> dict[str, str]:
+    """What must be the same on every rank: each rank saves and loads the same entries."""
+    return {
+        "stateful names": repr(sorted(objects)),
+        "GradScaler enabled": repr(scaler is not None and scaler.is_enabled()),
+    }
+
+
+def expected(objects: Mapping[str, Stateful], scaler: torch.amp.GradScaler | None) -> bool:
+    """Whether checkpoints carry a stateful file (and a resume requires one)."""
+    return bool(objects) or (scaler is not None and scaler.is_enabled())
+
+
+def collect(
+    objects: Mapping[str, Stateful], scaler: torch.amp.GradScaler | None
+) -> dict[str, Any] | None:
+    """This rank's state to save, None when there is nothing (no file is written then)."""
+    if not expected(objects, scaler):
+        return None
+    return {
+        OBJECTS: {name: obj.state_dict() for name, obj in objects.items()},
+        SCALER: scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
+    }
+
+
+def missing(
+    saved: Any, objects: Mapping[str, Stateful], scaler: torch.amp.GradScaler | None
+) -> list[str]:
+    """The entries given now that the saved state lacks; raises GuardError on a malformed one."""
+    if not isinstance(saved, dict) or not isinstance(saved.get(OBJECTS), dict):
+        raise GuardError("the stateful file is not one slurm-guard wrote")
+    names = [name for name in objects if name not in saved[OBJECTS]]
+    if scaler is not None and scaler.is_enabled() and saved.get(SCALER) is None:
+        names.append("the GradScaler (scaler=)")
+    return names
+
+
+def restore(
+    saved: dict[str, Any], objects: Mapping[str, Stateful], scaler: torch.amp.GradScaler | None
+) -> None:
+    """Load every entry; `missing` must have found none."""
+    for name, obj in objects.items():
+        obj.load_state_dict(saved[OBJECTS][name])
+    if scaler is not None and scaler.is_enabled():
+        scaler.load_state_dict(saved[SCALER])
+    extra = sorted(set(saved[OBJECTS]) - set(objects))
+    if extra:
+        logger.warning("the checkpoint's stateful %s not given now: not restored", extra)

@@ -1,0 +1,35 @@
+"""A guarded training script as a user writes one, for `slurm-guard local` (test_local_cli.py):
+gloo from env://, the device from LOCAL_RANK, faults only from SLURM_GUARD_INJECT."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import slurm_guard as sg
+from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss
+
+
+def main(run_dir: str, steps: int) -> None:
+    dist.init_process_group("gloo", init_method="env://")
+    rank = int(os.environ["RANK"])
+    assert int(os.environ["LOCAL_RANK"]) == rank
+    torch.manual_seed(0)
+    config = TinyGPTConfig(vocab=32, context=8, width=16, heads=2, layers=1, dropout=0.0)
+    ddp = DDP(TinyGPT(config))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    guard = sg.Guard(ddp, opt, lm_loss, run_dir, config=sg.GuardConfig(replay_every=2))
+    gen = torch.Generator().manual_seed(rank)
+    with sg.exit_on_alarm():
+        for _ in range(guard.resume(), steps):
+            seq = torch.randint(0, config.vocab, (4, config.context + 1), generator=gen)
+            guard.step({"tokens": seq[:, :-1], "targets": seq[:, 1:]})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]))
