@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
+from slurm_guard.rundir.records import (
+    RecordError,
+    atomic_write_json,
+    check_field_types,
+    read_json_file,
+)
 
 DIAGNOSIS_SCHEMA = 1
 DIAGNOSES_DIR = "diagnoses"
@@ -164,16 +169,7 @@ _DIAGNOSIS_FIELDS: dict[str, tuple[type, ...]] = {
 def _check_fields(obj: Any, spec: dict[str, tuple[type, ...]], source: str) -> dict[str, Any]:
     if not isinstance(obj, dict):
         raise RecordError(f"{source}: expected a JSON object")
-    for key, types in spec.items():
-        if key not in obj:
-            raise RecordError(f"{source}: missing field {key!r}")
-        value = obj[key]
-        if isinstance(value, bool) and bool not in types:
-            raise RecordError(f"{source}: field {key!r} must not be a boolean")
-        if not isinstance(value, types):
-            raise RecordError(
-                f"{source}: field {key!r} must be {'/'.join(t.__name__ for t in types)}"
-            )
+    check_field_types(obj, spec, source)
     return {k: obj[k] for k in spec}
 
 

@@ -216,6 +216,24 @@ _ALARM_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+def check_field_types(obj: dict[str, Any], spec: dict[str, tuple[type, ...]], source: str) -> None:
+    """Raise RecordError unless every field of ``spec`` is present with one of its types.
+
+    JSON has no integer/boolean distinction that Python keeps (``True`` is an ``int``), so a
+    boolean passes only where the spec names ``bool``: a hand-edited ``"step": true`` is refused
+    instead of read as step 1.
+    """
+    for key, types in spec.items():
+        if key not in obj:
+            raise RecordError(f"{source}: missing field {key!r}")
+        value = obj[key]
+        if isinstance(value, bool) and bool not in types:
+            raise RecordError(f"{source}: field {key!r} must not be a boolean")
+        if not isinstance(value, types):
+            names = "/".join(t.__name__ for t in types)
+            raise RecordError(f"{source}: field {key!r} must be {names}")
+
+
 def parse_alarm(obj: Any, source: str = "alarm") -> Alarm:
     """Validate a decoded alarm record; raise RecordError saying exactly what is wrong."""
     if not isinstance(obj, dict):
@@ -230,15 +248,7 @@ def parse_alarm(obj: Any, source: str = "alarm") -> Alarm:
         )
     if schema < 1:
         raise RecordError(f"{source}: invalid schema {schema}")
-    for key, types in _ALARM_TYPES.items():
-        if key not in obj:
-            raise RecordError(f"{source}: missing field {key!r}")
-        value = obj[key]
-        if isinstance(value, bool) and bool not in types:
-            raise RecordError(f"{source}: field {key!r} must not be a boolean")
-        if not isinstance(value, types):
-            names = "/".join(t.__name__ for t in types)
-            raise RecordError(f"{source}: field {key!r} must be {names}")
+    check_field_types(obj, _ALARM_TYPES, source)
     if not isinstance(obj.get("injected", False), bool):
         raise RecordError(f"{source}: field 'injected' must be a boolean")
     if obj["verdict"] not in VERDICTS:
