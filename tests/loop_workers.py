@@ -240,3 +240,30 @@ def rank0_decides(run_dir: str) -> dict[str, Any]:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["saved"] = saved
     return out
+
+
+def step_inside_no_sync(run_dir: str) -> dict[str, Any]:
+    """The user's own `ddp.no_sync()` around `guard.step()` (as an accumulation loop written
+    for plain DDP would have it): a usage mistake, never an SDC alarm."""
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    guard = sg.Guard(ddp, opt, lm_loss, run_dir, config=sg.GuardConfig(replay_every=1))
+    out: dict[str, Any] = {"error": None, "alarm": None}
+    before = weights(model)
+    try:
+        guard.step(_sample(rank))  # one good step first: the guard is in use
+        before = weights(model)
+        with ddp.no_sync():
+            guard.step(_sample(rank))
+    except sg.SilentDataCorruption as exc:
+        out["alarm"] = exc.alarm.to_json()
+    except sg.GuardError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["unchanged"] = all(
+        bool((a == b).all()) for a, b in zip(before, weights(model), strict=True)
+    )
+    out["steps"] = guard.step_count
+    return out

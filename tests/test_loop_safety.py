@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from loop_workers import disabled_scaler_nan, eval_then_save, rank0_decides, scheduled_loop
+from loop_workers import (
+    disabled_scaler_nan,
+    eval_then_save,
+    rank0_decides,
+    scheduled_loop,
+    step_inside_no_sync,
+)
 
 import slurm_guard as sg
 from slurm_guard.local.launch import run_local
@@ -40,6 +46,36 @@ def test_resume_is_bit_identical_when_the_loop_evaluates_before_it_saves(tmp_pat
     for a, b in zip(full, resumed, strict=True):
         assert {s: a["losses"][s] for s in b["losses"]} == b["losses"]
         assert all(torch.equal(x, y) for x, y in zip(a["final"], b["final"], strict=True))
+
+
+def test_a_save_right_after_a_resume_keeps_the_checkpoints_rng_state(tmp_path: Path) -> None:
+    # The second run resumes at 4 and, nanoGPT's order, evaluates and saves step 4 again before
+    # its first step: that save must hold the RNG state step 4's checkpoint held, not the one
+    # the eval left, or the third run (resuming from it) draws different batches.
+    clean, cut = tmp_path / "clean", tmp_path / "cut"
+    clean.mkdir()
+    cut.mkdir()
+    full = _ok(run_local(eval_then_save, 3, args=(str(clean), 99), nodes=NODES))
+    _ok(run_local(eval_then_save, 3, args=(str(cut), 5), nodes=NODES))  # saved at 2 and 4
+    again = _ok(run_local(eval_then_save, 3, args=(str(cut), 5), nodes=NODES))  # saves 4 again
+    assert again[0]["start"] == 4
+    resumed = _ok(run_local(eval_then_save, 3, args=(str(cut), 99), nodes=NODES))
+    assert resumed[0]["start"] == 4
+    for a, b in zip(full, resumed, strict=True):
+        assert {s: a["losses"][s] for s in b["losses"]} == b["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["final"], b["final"], strict=True))
+
+
+def test_guard_step_inside_the_users_no_sync_is_a_usage_error_not_an_alarm(
+    tmp_path: Path,
+) -> None:
+    out = _ok(run_local(step_inside_no_sync, 3, args=(str(tmp_path),), nodes=NODES))
+    for r in out:
+        assert r["alarm"] is None
+        assert r["error"] is not None and r["error"].startswith("GuardError"), r["error"]
+        assert "no_sync()" in r["error"] and "guard.step(Microbatches(" in r["error"]
+        assert r["unchanged"] and r["steps"] == 1
+    assert not list((tmp_path / "alarms").glob("*.json")), "an SDC alarm was written"
 
 
 FAULT = (sg.Fault("grad-scale", rank=1, step=7, persistent=True, param=3),)

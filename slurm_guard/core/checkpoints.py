@@ -110,11 +110,14 @@ def resume(core: GuardCore) -> int:
         state_tensors=core.state_tensors,
     )
 
+    rng_loaded: dict[int, dict[str, Any]] = {}  # step -> this rank's RNG right after its load
+
     def load_step(step: int) -> None:
         if stateful.expected(core.stateful, core.scaler):
             load(step, stateful=functools.partial(restore_stateful, step))
         else:
             load(step)
+        rng_loaded[step] = ckpt.rng_state()
 
     resumed = resume_collectively(
         core.comm, core.run_dir, core.rank, core.config.trust_replays, load_step
@@ -131,6 +134,11 @@ def resume(core: GuardCore) -> int:
         )
     core.comm.share_problem(problem, "resume: the stateful objects")
     core.verified_steps = resumed.verified_steps
+    # A save before the first step after the resume (nanoGPT evaluates, then saves, at the
+    # resumed step) must keep the checkpoint's RNG state, not the one the eval left.
+    core.rng_after_step = rng_loaded.get(resumed.step)
+    # A save before the first step after the resume (nanoGPT evaluates, then saves, at the
+    # resumed step) must keep the checkpoint's RNG state, not the one the eval left.
     if resumed.step < 0:
         core.step_count = 0
         core.last_verified_step = None
