@@ -10,6 +10,7 @@ from loop_workers import (
     disabled_scaler_nan,
     eval_then_save,
     rank0_decides,
+    scaler_and_data,
     scheduled_loop,
     step_inside_no_sync,
 )
@@ -130,3 +131,30 @@ def test_a_stateful_name_the_checkpoint_lacks_stops_the_resume_naming_it(tmp_pat
     out = _ok(run_local(scheduled_loop, 3, args=(str(tmp_path), 4, (), 3, True), nodes=NODES))
     errors = [r.get("resume_error") for r in out]
     assert all(e is not None and "'ema'" in e and "step-00000003" in e for e in errors), errors
+
+
+def test_a_checkpoint_sealed_without_scaler_state_resumes_with_the_scaler_restarted(
+    tmp_path: Path,
+) -> None:
+    # As an earlier slurm-guard wrote them: no stateful-rank-<r>.pt in the seal at all.
+    _ok(run_local(scaler_and_data, 3, args=(str(tmp_path), 3, None, False), nodes=NODES))
+    assert not list((tmp_path / "checkpoints" / "step-00000002").glob("stateful-*"))
+    out = _ok(run_local(scaler_and_data, 3, args=(str(tmp_path), 5, True, False), nodes=NODES))
+    assert [r["resume_error"] for r in out] == [None] * 3
+    assert [r["start"] for r in out] == [2] * 3
+    assert any("restarts from its initial scale" in w for w in out[0]["warnings"]), out[0]
+    # saved at 4 with the scaler's state now; a seal that lists a file that is gone is damaged
+    (tmp_path / "checkpoints" / "step-00000004" / "stateful-rank-1.pt").unlink()
+    out = _ok(run_local(scaler_and_data, 3, args=(str(tmp_path), 5, True, False), nodes=NODES))
+    assert [r["start"] for r in out] == [2] * 3
+
+
+def test_a_resume_on_more_ranks_than_saved_stops_naming_the_world_sizes(tmp_path: Path) -> None:
+    _ok(run_local(scaler_and_data, 3, args=(str(tmp_path), 3, None, True), nodes=NODES))
+    out = _ok(
+        run_local(scaler_and_data, 4, args=(str(tmp_path), 5, None, True), nodes=[*NODES, "node4"])
+    )
+    for r in out:
+        error = r["resume_error"]
+        assert error is not None and "saved on 3 ranks and this run has 4" in error, error
+        assert "'data'" in error and "Resume on 3 ranks" in error

@@ -85,16 +85,19 @@ def collect(
     }
 
 
-def missing(
-    saved: Any, objects: Mapping[str, Stateful], scaler: torch.amp.GradScaler | None
-) -> list[str]:
-    """The entries given now that the saved state lacks; raises GuardError on a malformed one."""
+def missing(saved: Any, objects: Mapping[str, Stateful]) -> list[str]:
+    """The objects given now that the saved state lacks; raises GuardError on a malformed one."""
     if not isinstance(saved, dict) or not isinstance(saved.get(OBJECTS), dict):
         raise GuardError("the stateful file is not one slurm-guard wrote")
-    names = [name for name in objects if name not in saved[OBJECTS]]
-    if scaler is not None and scaler.is_enabled() and saved.get(SCALER) is None:
-        names.append("the GradScaler (scaler=)")
-    return names
+    return [name for name in objects if name not in saved[OBJECTS]]
+
+
+def scaler_restarts(saved: dict[str, Any] | None, scaler: torch.amp.GradScaler | None) -> bool:
+    """An enabled GradScaler whose state the checkpoint lacks (saved while it was disabled,
+    or before the guard saved it): it restarts from its initial scale and recalibrates within
+    a few steps, so the resume goes on, but not bit-identically (see the user guide)."""
+    enabled = scaler is not None and scaler.is_enabled()
+    return enabled and (saved is None or saved.get(SCALER) is None)
 
 
 def restore(
@@ -103,7 +106,7 @@ def restore(
     """Load every entry; `missing` must have found none."""
     for name, obj in objects.items():
         obj.load_state_dict(saved[OBJECTS][name])
-    if scaler is not None and scaler.is_enabled():
+    if scaler is not None and scaler.is_enabled() and saved.get(SCALER) is not None:
         scaler.load_state_dict(saved[SCALER])
     extra = sorted(set(saved[OBJECTS]) - set(objects))
     if extra:
