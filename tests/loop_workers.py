@@ -243,21 +243,24 @@ def rank0_decides(run_dir: str) -> dict[str, Any]:
     return out
 
 
-def step_inside_no_sync(run_dir: str) -> dict[str, Any]:
+def step_inside_no_sync(run_dir: str, only_rank: int | None = None) -> dict[str, Any]:
     """The user's own `ddp.no_sync()` around `guard.step()` (as an accumulation loop written
-    for plain DDP would have it): a usage mistake, never an SDC alarm."""
+    for plain DDP would have it): a usage mistake, never an SDC alarm. With `only_rank`, that
+    rank alone is inside no_sync() (a rank-dependent branch)."""
     torch.manual_seed(0)
     model = TinyGPT(SMALL)
     ddp = DDP(model)
     opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
     rank = dist.get_rank()
-    guard = sg.Guard(ddp, opt, lm_loss, run_dir, config=sg.GuardConfig(replay_every=1))
+    config = sg.GuardConfig(replay_every=1, watchdog_seconds=20)
+    guard = sg.Guard(ddp, opt, lm_loss, run_dir, config=config)
     out: dict[str, Any] = {"error": None, "alarm": None}
     before = weights(model)
     try:
         guard.step(_sample(rank))  # one good step first: the guard is in use
         before = weights(model)
-        with ddp.no_sync():
+        inside = only_rank is None or rank == only_rank
+        with ddp.no_sync() if inside else contextlib.nullcontext():
             guard.step(_sample(rank))
     except sg.SilentDataCorruption as exc:
         out["alarm"] = exc.alarm.to_json()

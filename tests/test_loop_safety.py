@@ -79,6 +79,17 @@ def test_guard_step_inside_the_users_no_sync_is_a_usage_error_not_an_alarm(
     assert not list((tmp_path / "alarms").glob("*.json")), "an SDC alarm was written"
 
 
+def test_guard_step_inside_no_sync_on_one_rank_only_stops_every_rank(tmp_path: Path) -> None:
+    # Rank 1 raises before any collective; the others must not wait for it past the watchdog.
+    out = _ok(run_local(step_inside_no_sync, 3, args=(str(tmp_path), 1), nodes=NODES))
+    assert out[1]["error"].startswith("GuardError") and "no_sync()" in out[1]["error"]
+    for r in (out[0], out[2]):
+        assert r["error"] is not None and r["error"].startswith("RanksMissing"), r["error"]
+        assert "rank 1" in r["error"] or "ranks [1]" in r["error"], r["error"]
+    assert all(r["alarm"] is None and r["unchanged"] for r in out)
+    assert not list((tmp_path / "alarms").glob("*.json")), "an SDC alarm was written"
+
+
 FAULT = (sg.Fault("grad-scale", rank=1, step=7, persistent=True, param=3),)
 
 
