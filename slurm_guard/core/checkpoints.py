@@ -123,6 +123,9 @@ def resume(core: GuardCore) -> int:
     core.comm.arrive("resume()")
     problems: dict[int, str] = {}  # step -> why its stateful state cannot be restored here
     scaler_restarts: set[int] = set()
+    # A restart must be the same on every rank, also on one that restored a newer checkpoint's
+    # scaler state before another rank found that checkpoint damaged.
+    initial_scaler = stateful.scaler_state(core.scaler)
 
     def restore_stateful(step: int, saved: Any, meta: CheckpointMeta) -> None:
         # Runs once the weights are proven. What is decided here is the same for every
@@ -135,6 +138,8 @@ def resume(core: GuardCore) -> int:
             saved = None  # never restored on some: unequal loss scales break the average
         if stateful.scaler_restarts(saved, core.scaler):
             scaler_restarts.add(step)
+            if core.scaler is not None and initial_scaler is not None:
+                core.scaler.load_state_dict(initial_scaler)
         if saved is not None:
             stateful.restore(saved, core.stateful, core.scaler)
 

@@ -10,6 +10,7 @@ when an enabled one is given, in `stateful-rank-<r>.pt` under the checkpoint's s
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -98,6 +99,13 @@ def scaler_restarts(saved: dict[str, Any] | None, scaler: torch.amp.GradScaler |
     a few steps, so the resume goes on, but not bit-identically (see the user guide)."""
     enabled = scaler is not None and scaler.is_enabled()
     return enabled and (saved is None or saved.get(SCALER) is None)
+
+
+def scaler_state(scaler: torch.amp.GradScaler | None) -> dict[str, Any] | None:
+    """An enabled scaler's state now (before a resume: its initial one), else None."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return copy.deepcopy(scaler.state_dict())
 
 
 def restore(
