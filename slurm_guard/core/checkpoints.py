@@ -90,10 +90,11 @@ def save_checkpoint(core: GuardCore) -> Path:
 def stateful_problem(core: GuardCore, saved: Any, meta: CheckpointMeta) -> str | None:
     """Why this rank cannot restore the stateful objects from `meta`'s checkpoint, or None.
 
-    The rule (docs/user-guide.md, "State beyond the model"): the state is per rank, so a
-    checkpoint saved on another number of ranks cannot restore it; objects given now that the
-    checkpoint was sealed without (before they were passed, or by an older slurm-guard) stop
-    the resume naming them; a GradScaler alone is never a reason to stop (`scaler_restarts`).
+    The rule (docs/user-guide.md, "A checkpoint without the stateful state"): the state is
+    per rank, so a checkpoint saved on another number of ranks cannot restore it; objects
+    given now that the checkpoint was sealed without (before they were passed, or by an older
+    slurm-guard) stop the resume naming them; a GradScaler alone is never a reason to stop
+    (`stateful.scaler_restarts`).
     """
     names = list(core.stateful)
     where = f"checkpoint step-{meta.step:08d}"
@@ -168,10 +169,10 @@ def resume(core: GuardCore) -> int:
     problem = problems.get(resumed.step)
     if resumed.step in scaler_restarts and core.rank == 0:
         logger.warning(
-            "checkpoint step-%08d holds no GradScaler state (saved while the scaler was "
-            "disabled, or by a slurm-guard version before stateful checkpoints): the scaler "
-            "restarts from its initial scale, and the resumed run is not bit-identical to an "
-            "uninterrupted one",
+            "checkpoint step-%08d holds no GradScaler state for this run (saved while the "
+            "scaler was disabled, by a slurm-guard version before stateful checkpoints, or on "
+            "another number of ranks): the scaler restarts from its initial scale on every "
+            "rank, and the resumed run is not bit-identical to an uninterrupted one",
             resumed.step,
         )
     core.comm.share_problem(problem, "resume: the stateful objects")
