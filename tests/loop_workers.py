@@ -4,6 +4,7 @@ this module): `capture` / `check` / `update`, the nanoGPT-style loop of issue 23
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any
 
@@ -239,4 +240,77 @@ def rank0_decides(run_dir: str) -> dict[str, Any]:
     except sg.GuardError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
     out["saved"] = saved
+    return out
+
+
+def step_inside_no_sync(run_dir: str, only_rank: int | None = None) -> dict[str, Any]:
+    """The user's own `ddp.no_sync()` around `guard.step()` (as an accumulation loop written
+    for plain DDP would have it): a usage mistake, never an SDC alarm. With `only_rank`, that
+    rank alone is inside no_sync() (a rank-dependent branch)."""
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    config = sg.GuardConfig(replay_every=1, watchdog_seconds=20)
+    guard = sg.Guard(ddp, opt, lm_loss, run_dir, config=config)
+    out: dict[str, Any] = {"error": None, "alarm": None}
+    before = weights(model)
+    try:
+        guard.step(_sample(rank))  # one good step first: the guard is in use
+        before = weights(model)
+        inside = only_rank is None or rank == only_rank
+        with ddp.no_sync() if inside else contextlib.nullcontext():
+            guard.step(_sample(rank))
+    except sg.SilentDataCorruption as exc:
+        out["alarm"] = exc.alarm.to_json()
+    except sg.GuardError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["unchanged"] = all(
+        bool((a == b).all()) for a, b in zip(before, weights(model), strict=True)
+    )
+    out["steps"] = guard.step_count
+    return out
+
+
+class _Records(logging.Handler):
+    """The guard's log messages in this process, for a test to read back."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def scaler_and_data(
+    run_dir: str, steps: int, scaler_on: bool | None, with_data: bool
+) -> dict[str, Any]:
+    """Resume, then train and save every 2 steps with an (enabled or disabled) GradScaler and/or
+    a stateful data position: for the rule on checkpoints that lack their stateful state."""
+    records = _Records()
+    logging.getLogger("slurm_guard").addHandler(records)
+    torch.manual_seed(0)
+    model = TinyGPT(SMALL)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    rank = dist.get_rank()
+    scaler = None if scaler_on is None else torch.amp.GradScaler("cpu", enabled=scaler_on)
+    data = Position()
+    guard = sg.Guard(
+        ddp, opt, lm_loss, run_dir, config=sg.GuardConfig(replay_every=2), scaler=scaler,
+        stateful={"data": data} if with_data else None,
+    )  # fmt: skip
+    out: dict[str, Any] = {"resume_error": None, "warnings": records.messages}
+    try:
+        out["start"] = guard.resume()
+    except sg.GuardError as exc:
+        out["resume_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    for step in range(out["start"], steps):
+        if step % 2 == 0 and step > 0:
+            guard.save_checkpoint()
+        guard.step(data.next_batch(rank))
+    out["consumed"] = data.consumed
     return out

@@ -18,6 +18,7 @@ from slurm_guard.fingerprint import as_hex
 from slurm_guard.rundir import checkpoint as ckpt
 from slurm_guard.rundir.identity import check_unchanged
 from slurm_guard.rundir.restore import load_checkpoint, record_rollback, resume_collectively
+from slurm_guard.rundir.trust import CheckpointMeta
 
 if TYPE_CHECKING:
     from slurm_guard.core.session import GuardCore
@@ -86,18 +87,61 @@ def save_checkpoint(core: GuardCore) -> Path:
     return path
 
 
+def stateful_problem(core: GuardCore, saved: Any, meta: CheckpointMeta) -> str | None:
+    """Why this rank cannot restore the stateful objects from `meta`'s checkpoint, or None.
+
+    The rule (docs/user-guide.md, "A checkpoint without the stateful state"): the state is
+    per rank, so a checkpoint saved on another number of ranks cannot restore it; objects
+    given now that the checkpoint was sealed without (before they were passed, or by an older
+    slurm-guard) stop the resume naming them; a GradScaler alone is never a reason to stop
+    (`stateful.scaler_restarts`).
+    """
+    names = list(core.stateful)
+    where = f"checkpoint step-{meta.step:08d}"
+    if names and meta.world_size != core.world_size:
+        return (
+            f"{where} was saved on {meta.world_size} ranks and this run has {core.world_size}: "
+            f"the state of stateful {', '.join(repr(n) for n in names)} is saved per rank (a "
+            "data loader's position differs per rank), and the guard cannot split or merge it. "
+            f"Resume on {meta.world_size} ranks, or start fresh (SLURM_GUARD_RESUME=fresh)"
+        )
+    lacking = names if saved is None else stateful.missing(saved, core.stateful)
+    if lacking:
+        return (
+            f"{where} has no saved state for stateful {', '.join(repr(n) for n in lacking)}: "
+            "it was saved without them (before they were passed to Guard(stateful=...), or by "
+            "a slurm-guard version without stateful checkpoints). Resume without them, or "
+            "start fresh (SLURM_GUARD_RESUME=fresh)"
+        )
+    return None
+
+
 def resume(core: GuardCore) -> int:
     """Load the trusted checkpoint into the core's module and optimizer; return its step.
 
     The rule and its failure modes are in `Guard.resume`'s docstring.
     """
     core.comm.arrive("resume()")
-    absent: dict[int, list[str]] = {}  # step -> the stateful names its checkpoint lacks
+    problems: dict[int, str] = {}  # step -> why its stateful state cannot be restored here
+    scaler_restarts: set[int] = set()
+    # A restart must be the same on every rank, also on one that restored a newer checkpoint's
+    # scaler state before another rank found that checkpoint damaged.
+    initial_scaler = stateful.scaler_state(core.scaler)
 
-    def restore_stateful(step: int, saved: Any) -> None:
-        names = stateful.missing(saved, core.stateful, core.scaler)
-        absent[step] = names
-        if not names:
+    def restore_stateful(step: int, saved: Any, meta: CheckpointMeta) -> None:
+        # Runs once the weights are proven. What is decided here is the same for every
+        # checkpoint of the run (not damage), so it stops the resume instead of skipping.
+        problem = stateful_problem(core, saved, meta)
+        if problem is not None:
+            problems[step] = problem
+            return
+        if meta.world_size != core.world_size:  # only a scaler: restarted on every rank,
+            saved = None  # never restored on some: unequal loss scales break the average
+        if stateful.scaler_restarts(saved, core.scaler):
+            scaler_restarts.add(step)
+            if core.scaler is not None and initial_scaler is not None:
+                core.scaler.load_state_dict(initial_scaler)
+        if saved is not None:
             stateful.restore(saved, core.stateful, core.scaler)
 
     load = functools.partial(
@@ -110,27 +154,32 @@ def resume(core: GuardCore) -> int:
         state_tensors=core.state_tensors,
     )
 
+    rng_loaded: dict[int, dict[str, Any]] = {}  # step -> this rank's RNG right after its load
+
     def load_step(step: int) -> None:
         if stateful.expected(core.stateful, core.scaler):
             load(step, stateful=functools.partial(restore_stateful, step))
         else:
             load(step)
+        rng_loaded[step] = ckpt.rng_state()
 
     resumed = resume_collectively(
         core.comm, core.run_dir, core.rank, core.config.trust_replays, load_step
     )
-    # A name given now that the checkpoint lacks is the loop's change, not damage: an older
-    # checkpoint would lack it too, and continuing without it is not the interrupted run.
-    names = absent.get(resumed.step, [])
-    problem = None
-    if names:
-        problem = (
-            f"checkpoint step-{resumed.step:08d} has no saved state for stateful "
-            f"{', '.join(repr(n) for n in names)}: it was saved without them. Resume without "
-            "them, or start fresh (SLURM_GUARD_RESUME=fresh)"
+    problem = problems.get(resumed.step)
+    if resumed.step in scaler_restarts and core.rank == 0:
+        logger.warning(
+            "checkpoint step-%08d holds no GradScaler state for this run (saved while the "
+            "scaler was disabled, by a slurm-guard version before stateful checkpoints, or on "
+            "another number of ranks): the scaler restarts from its initial scale on every "
+            "rank, and the resumed run is not bit-identical to an uninterrupted one",
+            resumed.step,
         )
     core.comm.share_problem(problem, "resume: the stateful objects")
     core.verified_steps = resumed.verified_steps
+    # A save before the first step after the resume (nanoGPT evaluates, then saves, at the
+    # resumed step) must keep the checkpoint's RNG state, not the one the eval left.
+    core.rng_after_step = rng_loaded.get(resumed.step)
     if resumed.step < 0:
         core.step_count = 0
         core.last_verified_step = None

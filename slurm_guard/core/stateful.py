@@ -10,6 +10,7 @@ when an enabled one is given, in `stateful-rank-<r>.pt` under the checkpoint's s
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -85,16 +86,26 @@ def collect(
     }
 
 
-def missing(
-    saved: Any, objects: Mapping[str, Stateful], scaler: torch.amp.GradScaler | None
-) -> list[str]:
-    """The entries given now that the saved state lacks; raises GuardError on a malformed one."""
+def missing(saved: Any, objects: Mapping[str, Stateful]) -> list[str]:
+    """The objects given now that the saved state lacks; raises GuardError on a malformed one."""
     if not isinstance(saved, dict) or not isinstance(saved.get(OBJECTS), dict):
         raise GuardError("the stateful file is not one slurm-guard wrote")
-    names = [name for name in objects if name not in saved[OBJECTS]]
-    if scaler is not None and scaler.is_enabled() and saved.get(SCALER) is None:
-        names.append("the GradScaler (scaler=)")
-    return names
+    return [name for name in objects if name not in saved[OBJECTS]]
+
+
+def scaler_restarts(saved: dict[str, Any] | None, scaler: torch.amp.GradScaler | None) -> bool:
+    """An enabled GradScaler whose state the checkpoint lacks (saved while it was disabled,
+    or before the guard saved it): it restarts from its initial scale and recalibrates within
+    a few steps, so the resume goes on, but not bit-identically (see the user guide)."""
+    enabled = scaler is not None and scaler.is_enabled()
+    return enabled and (saved is None or saved.get(SCALER) is None)
+
+
+def scaler_state(scaler: torch.amp.GradScaler | None) -> dict[str, Any] | None:
+    """An enabled scaler's state now (before a resume: its initial one), else None."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return copy.deepcopy(scaler.state_dict())
 
 
 def restore(
@@ -103,7 +114,7 @@ def restore(
     """Load every entry; `missing` must have found none."""
     for name, obj in objects.items():
         obj.load_state_dict(saved[OBJECTS][name])
-    if scaler is not None and scaler.is_enabled():
+    if scaler is not None and scaler.is_enabled() and saved.get(SCALER) is not None:
         scaler.load_state_dict(saved[SCALER])
     extra = sorted(set(saved[OBJECTS]) - set(objects))
     if extra:

@@ -1,9 +1,12 @@
 """Checkpoints that are complete or absent, and never trusted without proof.
 
-Every rank writes its RNG state into a staging directory, rank 0 adds the model and optimizer
-state and, last of all, `meta.json` with a sha256 per file and the weight fingerprint the vote
-agreed on; then the directory is renamed into place. A checkpoint without meta.json, with a file
-whose hash differs, or whose loaded state does not reproduce the fingerprint, is never loaded.
+Every rank writes its RNG state (`rng-rank-<r>.pt`) into a staging directory, and its
+`stateful-rank-<r>.pt` when the run has state beyond the model (`Guard(stateful=...)`, an
+enabled GradScaler: per rank, since a data loader's position differs per rank); rank 0 adds
+`model.pt` and `optimizer.pt` and, last of all, `meta.json` with a sha256 per file and the
+weight fingerprint the vote agreed on; then the directory is renamed into place. A
+checkpoint without meta.json, with a file whose hash differs, or whose loaded state does not
+reproduce the fingerprint, is never loaded.
 
 Staging directories are named per attempt (`.staging-<step>-r<restart>-<attempt>`): a save that
 was killed half-way leaves its directory to the next start, which deletes it, and can never mix
@@ -39,6 +42,11 @@ def rng_file(rank: int) -> str:
 
 def stateful_file(rank: int) -> str:
     return f"stateful-rank-{rank}.pt"
+
+
+def has_stateful(meta: CheckpointMeta) -> bool:
+    """Whether the seal lists any rank's stateful file (not so before stateful= existed)."""
+    return any(name.startswith("stateful-rank-") for name in meta.files)
 
 
 def sha256_file(path: Path) -> str:
@@ -169,8 +177,12 @@ def load(
 ) -> dict[str, Any]:
     """This rank's part of a checkpoint; raises where it is unusable.
 
-    With `stateful`, the rank's stateful file must be there and sealed: a checkpoint without
-    it (written before the objects were given, or damaged) cannot restore them, and is skipped.
+    With `stateful`, the rank's stateful file is loaded when the seal lists it, and must match
+    its sha256 (else the checkpoint is damaged, and skipped). `out["stateful"]` is None when
+    the seal lists no stateful file at all (sealed before the objects were given, or by a
+    version without them) or when this rank is beyond the ranks that saved it: what to do
+    then is the caller's rule (`core.checkpoints.resume`), not damage. A seal that lists
+    other ranks' files but not this rank's, within the saved world size, is damaged.
     """
     directory = run_dir.checkpoint_path(meta.step)
     out: dict[str, Any] = {
@@ -179,14 +191,14 @@ def load(
         "rng": None,
         "stateful": None,
     }
-    if stateful:
-        name = stateful_file(rank)
-        if name not in meta.files:
-            raise GuardError(f"{directory.name} has no {name} (the stateful= objects' state)")
+    name = stateful_file(rank)
+    if stateful and name in meta.files:
         path = directory / name
         if sha256_file(path) != meta.files[name]:  # rank 0 checked it; this is the bytes read
             raise GuardError(f"{name} does not match its recorded sha256")
         out["stateful"] = torch.load(path, map_location="cpu", weights_only=True)
+    elif stateful and rank < meta.world_size and has_stateful(meta):
+        raise GuardError(f"{directory.name} has no {name}, but other ranks' stateful files")
     rng_path = directory / rng_file(rank)
     if rank < meta.world_size and rng_path.is_file():
         out["rng"] = torch.load(rng_path, map_location="cpu", weights_only=True)

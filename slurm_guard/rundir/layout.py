@@ -10,6 +10,7 @@ Layout (all on a filesystem shared by the nodes and the controller):
     lost-alarm.<alarm_id>.upto-<S>  an alarm that could not be written: trust nothing after S
     handled/<alarm_id>.json       written by resume() once the rollback for that alarm is done
     checkpoints/step-NNNNNNNN/    meta.json + model.pt + optimizer.pt + rng-rank-<r>.pt
+                                  [+ stateful-rank-<r>.pt: Guard(stateful=...), the scaler]
     quarantine/<alarm_id>/...     checkpoints newer than the trusted one, moved aside, never loaded
 
 This module holds the paths, the readers and writers of the records above and the checkpoint

@@ -26,7 +26,7 @@ from slurm_guard.rundir import checkpoint as ckpt
 from slurm_guard.rundir.layout import RunDir, fresh_start_requested
 from slurm_guard.rundir.records import read_json_file
 from slurm_guard.rundir.recovery import ResumePlan, ResumePoint, finish_rollback, plan_resume
-from slurm_guard.rundir.trust import parse_checkpoint_meta
+from slurm_guard.rundir.trust import CheckpointMeta, parse_checkpoint_meta
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,13 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     fingerprinter: Fingerprinter,
     state_tensors: Callable[[], list[torch.Tensor]],
-    stateful: Callable[[Any], None] | None = None,
+    stateful: Callable[[Any, CheckpointMeta], None] | None = None,
 ) -> None:
     """Load checkpoint `step` on this rank; raise if it is unusable here (no collectives).
 
-    `stateful` receives this rank's saved stateful state once the weights are proven: the
-    objects are never restored from a checkpoint whose weights fail their fingerprint.
+    `stateful` receives this rank's saved stateful state (None: none saved for this rank) and
+    the checkpoint's meta once the weights are proven: the objects are never restored from a
+    checkpoint whose weights fail their fingerprint.
     """
     meta_path = run_dir.checkpoint_path(step) / "meta.json"
     meta = parse_checkpoint_meta(read_json_file(meta_path), str(meta_path))
@@ -149,4 +150,4 @@ def load_checkpoint(
             f"({fingerprint} != {meta.weight_fingerprint})"
         )
     if stateful is not None:
-        stateful(state["stateful"])
+        stateful(state["stateful"], meta)
