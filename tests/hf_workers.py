@@ -7,7 +7,6 @@ ranks, 2 microbatches per step: nothing is downloaded.
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Any
 
@@ -20,23 +19,29 @@ VOCAB, SEQ, WIDTH = 128, 16, 64
 
 
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """Random token rows from a fixed seed; `nan_row` turns every `nan_row`-th row into NaN
-    embeddings (the shuffled order must bring one into the first steps of a short run)."""
+    """Random token rows from a fixed seed. With `nan_at=(rank, k)` rows are served as embeddings,
+    and the k-th row that rank serves holds a NaN: counted as served, not by index, so the sampler's
+    shuffled order cannot move it past the end of a short run."""
 
-    def __init__(self, n: int = 240, nan_row: int | None = None) -> None:
+    def __init__(self, n: int = 240, nan_at: tuple[int, int] | None = None) -> None:
         g = torch.Generator().manual_seed(1234)
         self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=g)
-        self.embeds = torch.randn(n, SEQ, WIDTH, generator=g) if nan_row is not None else None
-        if self.embeds is not None and nan_row is not None:
-            self.embeds[::nan_row, 3, 5] = float("nan")
+        self.embeds = torch.randn(n, SEQ, WIDTH, generator=g) if nan_at is not None else None
+        self.nan_at = nan_at
+        self.served = 0
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        if self.embeds is not None:
-            return {"inputs_embeds": self.embeds[i], "labels": self.ids[i]}
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        served, self.served = self.served, self.served + 1
+        if self.embeds is None:
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        embeds = self.embeds[i]
+        if self.nan_at == (dist.get_rank(), served):
+            embeds = embeds.clone()
+            embeds[3, 5] = float("nan")
+        return {"inputs_embeds": embeds, "labels": self.ids[i]}
 
 
 def state_sha(model: torch.nn.Module) -> str:
@@ -55,7 +60,7 @@ def train(
     *,
     guarded: bool = True,
     save_steps: int = 0,
-    nan_row: int | None = None,
+    nan_at: tuple[int, int] | None = None,
     accumulation: int = 2,
 ) -> dict[str, Any]:
     """One Trainer run (resuming from what the guard trusts); the final state's hash."""
@@ -63,10 +68,6 @@ def train(
 
     from slurm_guard.integrations.hf import GuardedTrainer
 
-    # run_local made the process group; accelerate still reads the launcher's variables
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "1")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     cfg = GPT2Config(n_layer=2, n_head=2, n_embd=WIDTH, vocab_size=VOCAB, n_positions=SEQ)
@@ -90,7 +91,7 @@ def train(
         learning_rate=1e-3,
         ddp_find_unused_parameters=False,
     )
-    data = Tokens(nan_row=nan_row)
+    data = Tokens(nan_at=nan_at)
     logged: list[dict[str, float]] = []
     if guarded:
         trainer: Trainer = GuardedTrainer(
@@ -126,12 +127,13 @@ def train(
 
 
 def clean_and_nan(root: str) -> dict[str, Any]:
-    """A clean 8-step run and a run whose data holds one NaN sample, in one process group."""
+    """A clean 8-step run and a run in which node3 (rank 2) is served one NaN sample in step 2
+    (2 rows a microbatch, 2 microbatches a step: rows 8-11), in one process group."""
     config = sg.GuardConfig(replay_every=3, schedule="fixed")
     clean = train(f"{root}/clean-out", f"{root}/clean-run", 8, config)
     plain = train(f"{root}/plain-out", f"{root}/plain-run", 8, guarded=False)
     try:
-        train(f"{root}/nan-out", f"{root}/nan-run", 4, config, nan_row=10)
+        train(f"{root}/nan-out", f"{root}/nan-run", 4, config, nan_at=(2, 9))
         nan: Any = None
     except sg.SilentDataCorruption as exc:
         nan = exc.alarm.to_json()

@@ -76,6 +76,20 @@ def test_single_failure_asks_a_third_rank_and_majority_decides() -> None:
     assert settle_with_third(res[0], third, 7, 7).verdict == "ambiguous"
 
 
+def test_every_gradient_failing_with_every_loss_exact_names_the_loop_and_stays_ambiguous() -> None:
+    """accelerator.backward() divides the loss by the accumulation steps; a loss_fn that does
+    not recomputes other gradients on every rank, while every loss matches bit for bit."""
+    t = topo(["a", "b", "c"])
+    res = [ReplayResult(o, t.replayer[o], 7, 1, 7, 2) for o in range(3)]
+    j = judge_replays(res, t)
+    assert j.finding is not None and j.finding.verdict == "ambiguous"
+    assert "backpropagate exactly what loss_fn" in j.finding.message
+    # a loss that also differs somewhere, or a passing comparison: no such hint
+    res[0] = ReplayResult(0, t.replayer[0], 7, 1, 8, 2)
+    other = judge_replays(res, t).finding
+    assert other is not None and "loss_fn" not in other.message
+
+
 def test_all_passing_is_no_finding() -> None:
     t = topo(["a", "b", "c"])
     assert judge_replays(results(t, set()), t).finding is None

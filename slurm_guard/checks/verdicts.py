@@ -133,9 +133,25 @@ def judge_replays(results: list[ReplayResult], topology: Topology) -> ReplayJudg
             Verdict.AMBIGUOUS,
             tuple(involved),
             f"{len(failed)} replay comparisons failed with no common rank or node "
-            "(several faults, or too few nodes to attribute)",
+            "(several faults, or too few nodes to attribute)" + _loop_hint(failed, results),
             evidence,
         )
+    )
+
+
+def _loop_hint(failed: list[ReplayResult], results: list[ReplayResult]) -> str:
+    """Every loss reproduced bit for bit but no gradient did: one fault on every node at once is
+    far less likely than a loop whose backward is not `loss_fn`'s, so the message says so (the
+    verdict stays ambiguous: nothing is trusted that could not be verified)."""
+    if len(failed) < len(results) or len(results) < 3:
+        return ""
+    if any(r.discrepancy is not None or r.owner_loss != r.replay_loss for r in failed):
+        return ""
+    return (
+        "; every loss reproduced exactly and no gradient did, which points at the loop: the "
+        "backward must backpropagate exactly what loss_fn(model, microbatch) returns (for "
+        "example, accelerator.backward() divides by gradient_accumulation_steps, so loss_fn "
+        "must divide too; see docs/integrations/hf.md)"
     )
 
 

@@ -90,7 +90,17 @@ def run_local(
     port = free_port()
     procs = []
     for rank in range(world_size):
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), **(extra_env or {})}
+        # torchrun's variables too: frameworks (Accelerate) read them even when the process
+        # group already exists
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            **(extra_env or {}),
+        }
         if nodes is not None:
             env["SLURMD_NODENAME"] = nodes[rank]
         p = ctx.Process(target=_worker, args=(rank, world_size, port, env, fn, args, results))
