@@ -69,3 +69,15 @@ def train(
         "digest": _digest(model, optimizer),
         "verified": list(guard.verified_steps),
     }
+
+
+def train_saving(run_dir: str, steps: int, save_at: int) -> dict[str, Any]:
+    return train(run_dir, steps, save_at=(save_at,))
+
+
+def train_resumed(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, resume=True, init_seed=99)
+
+
+def train_fsdp_abft(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, hsdp=False, config={"abft": True})

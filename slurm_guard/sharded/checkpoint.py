@@ -13,6 +13,7 @@ must reproduce the shard fingerprint it was sealed with before training goes on.
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,7 +122,11 @@ def load_shards(guard: ShardedGuard, step: int) -> None:
     if meta.fingerprint_seed not in (None, guard.fingerprinter.seed):
         raise GuardError(f"{directory.name} was sealed under another fingerprint seed")
     state = _state(guard)
-    dcp.load(state, checkpoint_id=directory, no_dist=True)
+    with warnings.catch_warnings():
+        # no_dist=True is the point (no collective inside the per-rank load); DCP warns that
+        # it "assumes a single process", which is true of each rank's own shards
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=directory, no_dist=True)
     set_model_state_dict(guard.model, state["model"])
     set_optimizer_state_dict(guard.model, guard.optimizer, state["optimizer"])
     rng_path = directory / ckpt.rng_file(guard.rank)

@@ -117,7 +117,7 @@ def judge_abft(rows: Sequence[Sequence[int]], where: Sequence[str]) -> Finding |
         Verdict.SDC,
         tuple(bad),
         f"checked GEMM failed its check on rank(s) {bad}: {where[bad[0]]}",
-        {"ratios": {r: bits_to_float(rows[r][ABFT_RATIO]) for r in bad}},
+        {"ratios": {str(r): bits_to_float(rows[r][ABFT_RATIO]) for r in bad}},
     )
 
 
