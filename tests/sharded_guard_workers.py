@@ -38,7 +38,7 @@ def train(
     save_at: tuple[int, ...] = (),
     init_seed: int = 0,
 ) -> dict[str, Any]:
-    """Train `steps` steps (from the resumed step on, with resume=True); return what a test reads."""
+    """Train up to `steps` (from the resumed step with resume=True); return what tests read."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from slurm_guard import GuardConfig, ShardedGuard

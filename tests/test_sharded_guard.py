@@ -74,7 +74,6 @@ def test_shard_vote_names_the_odd_replica_or_is_ambiguous_with_two() -> None:
 # ------------------------------------------------------------------ 4 gloo ranks
 
 
-
 @pytest.mark.distributed
 def test_clean_hsdp_run_gives_no_alarm(tmp_path: Path) -> None:
     values = _ok(run_local(train, 4, args=(str(tmp_path), 4), nodes=NODES))

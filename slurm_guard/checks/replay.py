@@ -283,13 +283,10 @@ def recompute(
                 scale(loss) if scale else loss, list(params), allow_unused=True
             )
             step_grads = [
-                torch.zeros_like(p) if g is None else g
-                for p, g in zip(params, raw, strict=True)
+                torch.zeros_like(p) if g is None else g for p, g in zip(params, raw, strict=True)
             ]
             grads = (
-                step_grads
-                if not grads
-                else [a + g for a, g in zip(grads, step_grads, strict=True)]
+                step_grads if not grads else [a + g for a, g in zip(grads, step_grads, strict=True)]
             )
             losses.append(loss.detach())
     total_loss = combined_loss(losses)

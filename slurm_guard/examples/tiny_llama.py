@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = (w(x).view(b, t, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (
+            w(x).view(b, t, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+        )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(out.transpose(1, 2).reshape(b, t, d))
+        mixed: torch.Tensor = self.wo(out.transpose(1, 2).reshape(b, t, d))
+        return mixed
 
 
 class FeedForward(nn.Module):
@@ -46,7 +50,8 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(c.dim, c.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        out: torch.Tensor = self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return out
 
 
 class Block(nn.Module):
@@ -59,7 +64,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
+        out: torch.Tensor = x + self.feed_forward(self.ffn_norm(x))
+        return out
 
 
 class TinyLlama(nn.Module):
@@ -75,16 +81,17 @@ class TinyLlama(nn.Module):
         x = self.tok_embeddings(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.output(self.norm(x))
+        out: torch.Tensor = self.output(self.norm(x))
+        return out
 
 
-def shard_model(model: TinyLlama, mesh: object) -> TinyLlama:
+def shard_model(model: TinyLlama, mesh: DeviceMesh) -> TinyLlama:
     """torchtitan's layout: each block its own FSDP unit, then the root (embedding, head)."""
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)  # type: ignore[arg-type]
-    fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 

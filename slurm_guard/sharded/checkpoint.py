@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -34,12 +34,44 @@ from slurm_guard.rundir.restore import record_rollback, resume_collectively
 from slurm_guard.rundir.trust import parse_checkpoint_meta
 
 if TYPE_CHECKING:
-    from slurm_guard.sharded.guard import ShardedGuard
+    from torch import nn
+
+    from slurm_guard.comm.collective import Collective
+    from slurm_guard.config import GuardConfig
+    from slurm_guard.fingerprint.tree import Fingerprinter
+    from slurm_guard.rundir.layout import RunDir
+
+
+class GuardState(Protocol):
+    """What a save and a resume read and set of `sharded.guard.ShardedGuard` (a protocol, so
+    the guard can import this module without a cycle)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    config: GuardConfig
+    comm: Collective
+    run_dir: RunDir
+    fingerprinter: Fingerprinter
+    rank: int
+    world_size: int
+    restart_count: int
+    attempt: str
+    run_id: str | None
+    step_count: int
+    voted_at: int
+    last_verified_step: int | None
+    verified_steps: list[int]
+    rng_after_step: dict[str, torch.Tensor] | None
+
+    def vote(self, step: int) -> None: ...
+
+    def shard_fingerprint(self) -> torch.Tensor: ...
+
 
 logger = logging.getLogger(__name__)
 
 
-def _state(guard: ShardedGuard) -> dict[str, Any]:
+def _state(guard: GuardState) -> dict[str, Any]:
     """Model and optimizer state keyed by parameter name, as DCP saves it (torchtitan's form)."""
     return {
         "model": get_model_state_dict(guard.model),
@@ -47,7 +79,7 @@ def _state(guard: ShardedGuard) -> dict[str, Any]:
     }
 
 
-def save_checkpoint(guard: ShardedGuard) -> Path:
+def save_checkpoint(guard: GuardState) -> Path:
     """Vote, then save atomically into run_dir/checkpoints/step-N (all ranks must call)."""
     step = guard.step_count
     if step == 0:
@@ -70,7 +102,7 @@ def save_checkpoint(guard: ShardedGuard) -> Path:
     comm.share_problem(problem, "checkpoint files")
     try:
         # DCP's own collectives carry a failure on one rank to every rank (CheckpointException)
-        dcp.save(_state(guard), checkpoint_id=stage)
+        state_dict_saver.save(_state(guard), checkpoint_id=stage)
     except Exception as exc:
         logger.exception("rank %d: the DCP save failed", rank)
         problem = f"checkpoint at step {step}: the DCP save failed ({exc})"
@@ -102,7 +134,7 @@ def save_checkpoint(guard: ShardedGuard) -> Path:
     return path
 
 
-def load_shards(guard: ShardedGuard, step: int) -> None:
+def load_shards(guard: GuardState, step: int) -> None:
     """Load checkpoint `step` into this rank's shards; raise where it is unusable here.
 
     No collectives: DCP reads this rank's pieces alone (`no_dist=True`), and the state-dict
@@ -126,7 +158,7 @@ def load_shards(guard: ShardedGuard, step: int) -> None:
         # no_dist=True is the point (no collective inside the per-rank load); DCP warns that
         # it "assumes a single process", which is true of each rank's own shards
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=directory, no_dist=True)
+        state_dict_loader.load(state, checkpoint_id=directory, no_dist=True)
     set_model_state_dict(guard.model, state["model"])
     set_optimizer_state_dict(guard.model, guard.optimizer, state["optimizer"])
     rng_path = directory / ckpt.rng_file(guard.rank)
@@ -143,7 +175,7 @@ def load_shards(guard: ShardedGuard, step: int) -> None:
         )
 
 
-def resume(guard: ShardedGuard) -> int:
+def resume(guard: GuardState) -> int:
     """Load the trusted checkpoint (the DDP guard's rule); return the step to start from."""
     comm = guard.comm
     comm.arrive("resume()")

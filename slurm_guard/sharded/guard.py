@@ -34,7 +34,7 @@ from slurm_guard.core.setup import agree_on_seed, check_run_dir, check_same_setu
 from slurm_guard.errors import GuardError
 from slurm_guard.faults import Fault, FaultInjector, faults_from_env
 from slurm_guard.faults.injection import BACKWARD_KINDS, flip_bit
-from slurm_guard.fingerprint import FastFingerprinter
+from slurm_guard.fingerprint import FastFingerprinter, Fingerprinter
 from slurm_guard.protocol import Check
 from slurm_guard.rundir.alarms import AlarmWriter
 from slurm_guard.rundir.checkpoint import rng_state
@@ -63,7 +63,9 @@ def _mesh(model: nn.Module) -> Mesh:
         return Mesh((tuple(ranks),))
     if device_mesh.ndim == 2:
         return Mesh(tuple(tuple(row) for row in ranks))
-    raise GuardError(f"ShardedGuard supports 1-D (FSDP) and 2-D (HSDP) meshes, not {device_mesh.ndim}-D")
+    raise GuardError(
+        f"ShardedGuard supports 1-D (FSDP) and 2-D (HSDP) meshes, not {device_mesh.ndim}-D"
+    )
 
 
 class ShardedGuard(StepCalls):
@@ -115,8 +117,10 @@ class ShardedGuard(StepCalls):
             job_id=self.job_id,
             restart_count=self.restart_count,
         )
-        self.attempt, self.run_id = self.opened.attempt, self.opened.run_id
-        self.fingerprinter = FastFingerprinter(agree_on_seed(self.comm, self.config, self.run_dir))
+        self.attempt = self.opened.attempt
+        self.run_id: str | None = self.opened.run_id
+        seed = agree_on_seed(self.comm, self.config, self.run_dir)
+        self.fingerprinter: Fingerprinter = FastFingerprinter(seed)
         self.faults: tuple[Fault, ...] = self.comm.agree(
             lambda: self._supported(self.config.faults + faults_from_env()),
             "fault injection settings (GuardConfig.faults, SLURM_GUARD_INJECT)",

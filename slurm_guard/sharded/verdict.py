@@ -52,7 +52,9 @@ def replay_fields(own_grad: int, values: ReplayValues) -> list[int]:
     ]
 
 
-def replay_results(rows: Sequence[Sequence[int]], replay_rows: Sequence[Sequence[int]]) -> list[ReplayResult]:
+def replay_results(
+    rows: Sequence[Sequence[int]], replay_rows: Sequence[Sequence[int]]
+) -> list[ReplayResult]:
     """Each replayer's values against its owner's own: `replay_rows[r]` is rank r's
     [REPLAYED .. REPLAY_FAILED] slice of a round, `rows` the step's rows (the owners' values)."""
     out = []
@@ -135,7 +137,9 @@ def judge_shard_vote(fingerprints: Sequence[int], mesh: Mesh) -> Finding | None:
             findings.append((finding, column))
     if not findings:
         return None
-    verdict = Verdict.SDC if all(f.verdict == Verdict.SDC for f, _ in findings) else Verdict.AMBIGUOUS
+    verdict = (
+        Verdict.SDC if all(f.verdict == Verdict.SDC for f, _ in findings) else Verdict.AMBIGUOUS
+    )
     suspects = tuple(sorted({col[i] for f, col in findings for i in f.suspect_ranks}))
     return Finding(
         Check.VOTE,

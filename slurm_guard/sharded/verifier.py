@@ -8,7 +8,6 @@ does not. Built from explicit parts; the ShardedGuard decides what to do with th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -86,7 +85,9 @@ class ShardedVerifier:
             owner = replays[failed[0]][0]
             raise RankFailed(f"step {step}: the replay of rank {owner}'s step", failed, node, cause)
 
-    def round(self, step: int, captured: Captured, shifts: tuple[int, int], purpose: str) -> list[list[int]]:
+    def round(
+        self, step: int, captured: Captured, shifts: tuple[int, int], purpose: str
+    ) -> list[list[int]]:
         """An extra replay round (triage, settling): every rank's [owner, loss, grad, nonfinite,
         failed]."""
         key = f"sharded-replay/{step}/{purpose}"
@@ -97,7 +98,12 @@ class ShardedVerifier:
         return replays
 
     def check_step(
-        self, step: int, loss: torch.Tensor, captured: Captured, verify: bool, grads: list[torch.Tensor]
+        self,
+        step: int,
+        loss: torch.Tensor,
+        captured: Captured,
+        verify: bool,
+        grads: list[torch.Tensor],
     ) -> StepResult:
         """Every check of one step, after backward and before the update.
 
@@ -198,4 +204,3 @@ class ShardedVerifier:
         finding = v.judge_shard_vote(values, self.mesh)
         self.ledger(step, Check.VOTE, finding is None, {"fingerprint": f"{values[self.rank]:016x}"})
         return finding
-
