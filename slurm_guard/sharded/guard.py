@@ -92,6 +92,11 @@ class ShardedGuard(StepCalls):
             raise GuardError("torch.distributed is not initialized; call init_process_group first")
         fsdp_modules(model)  # raises unless fully_shard wrapped the root
         self.config = config if config is not None else GuardConfig()
+        if not self.config.deterministic:
+            raise GuardError(
+                "ShardedGuard compares replays exactly: GuardConfig(deterministic=False) is not "
+                "supported under FSDP yet (docs/integrations/fsdp.md)"
+            )
         self.run_dir = RunDir(run_dir)
         self.model = model
         self.optimizer = optimizer
@@ -255,7 +260,7 @@ class ShardedGuard(StepCalls):
         verify = self.mesh.replicas > 1 and self.config.is_replay_step(step, seed)
         captured = capture(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        self.rs_state.reset(fingerprint=verify and self.config.deterministic)
+        self.rs_state.reset(fingerprint=verify)
         return StepPlan(step, verify, captured)
 
     def finish_step(self, plan: StepPlan, losses: Sequence[torch.Tensor]) -> StepResult:
