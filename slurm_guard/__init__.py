@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from slurm_guard.faults import Fault
     from slurm_guard.guard import Guard, exit_on_alarm
     from slurm_guard.rundir.records import Alarm
+    from slurm_guard.sharded.guard import ShardedGuard
     from slurm_guard.slurm.launch import init_distributed_from_slurm
 
 _EXPORTS = {
@@ -46,6 +47,7 @@ _EXPORTS = {
     "GuardConfig": "slurm_guard.config",
     "Fault": "slurm_guard.faults",
     "Guard": "slurm_guard.guard",
+    "ShardedGuard": "slurm_guard.sharded.guard",
     "exit_on_alarm": "slurm_guard.guard",
     "Alarm": "slurm_guard.rundir.records",
     "Microbatches": "slurm_guard.checks.replay",
@@ -123,6 +125,7 @@ __all__ = [
     "Microbatches",
     "RankFailed",
     "RanksMissing",
+    "ShardedGuard",
     "SilentDataCorruption",
     "exit_on_alarm",
     "init_distributed_from_slurm",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slurm_guard.faults.injection import _flip_bit
+from slurm_guard.faults.injection import flip_bit
 from slurm_guard.fingerprint.tree import Fingerprinter, as_int
 
 
@@ -28,7 +28,7 @@ def test_every_single_bit_flip_of_an_element_changes_it(fp: Fingerprinter) -> No
     base = value(fp, t)
     for bit in range(32):
         flipped = t.clone()
-        _flip_bit(flipped, 1234, bit)
+        flip_bit(flipped, 1234, bit)
         assert value(fp, flipped) != base, bit
 
 
@@ -43,8 +43,8 @@ def test_order_matters_where_xor_and_sum_do_not(fp: Fingerprinter) -> None:
 def test_two_identical_flips_do_not_cancel(fp: Fingerprinter) -> None:
     t = torch.randn(2048)
     twice = t.clone()
-    _flip_bit(twice, 5, 3)
-    _flip_bit(twice, 1500, 3)
+    flip_bit(twice, 5, 3)
+    flip_bit(twice, 1500, 3)
     assert value(fp, t) != value(fp, twice)
 
 

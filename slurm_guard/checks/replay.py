@@ -48,6 +48,17 @@ def is_replaying() -> bool:
     return _replaying
 
 
+@contextlib.contextmanager
+def replaying() -> Iterator[None]:
+    """Mark the passes inside as a replay of another rank's step (`is_replaying`)."""
+    global _replaying
+    _replaying = True
+    try:
+        yield
+    finally:
+        _replaying = False
+
+
 @dataclass
 class Captured:
     """What an owner keeps of its step so that it can be replayed elsewhere."""
@@ -81,7 +92,7 @@ def captured_microbatches(parts: Sequence[Captured]) -> Captured:
     )
 
 
-def _set_rng(cpu: torch.Tensor, cuda: torch.Tensor | None) -> None:
+def set_rng(cpu: torch.Tensor, cuda: torch.Tensor | None) -> None:
     # clone: a row of the stacked states is a view at an offset, which set_rng_state reads from
     # the start of its storage (a segmentation fault on torch 2.13)
     torch.set_rng_state(cpu.clone())
@@ -258,34 +269,26 @@ def recompute(
     is the GradScaler's `scale` when mixed precision is on: the owner's local gradients were
     computed from the scaled loss.
     """
-    global _replaying
     micro = list(captured.batch) if isinstance(captured.batch, Microbatches) else [captured.batch]
     losses: list[torch.Tensor] = []
     grads: list[torch.Tensor] = []
-    with preserved_state(module):
-        _replaying = True
-        try:
-            _set_rng(captured.cpu_rng, captured.cuda_rng)
-            for i, mb in enumerate(micro):
-                if captured.micro_cpu_rng is not None:
-                    cuda = captured.micro_cuda_rng
-                    _set_rng(captured.micro_cpu_rng[i], cuda[i] if cuda is not None else None)
-                loss = loss_fn(module, mb)
-                raw = torch.autograd.grad(
-                    scale(loss) if scale else loss, list(params), allow_unused=True
-                )
-                step_grads = [
-                    torch.zeros_like(p) if g is None else g
-                    for p, g in zip(params, raw, strict=True)
-                ]
-                grads = (
-                    step_grads
-                    if not grads
-                    else [a + g for a, g in zip(grads, step_grads, strict=True)]
-                )
-                losses.append(loss.detach())
-        finally:
-            _replaying = False
+    with preserved_state(module), replaying():
+        set_rng(captured.cpu_rng, captured.cuda_rng)
+        for i, mb in enumerate(micro):
+            if captured.micro_cpu_rng is not None:
+                cuda = captured.micro_cuda_rng
+                set_rng(captured.micro_cpu_rng[i], cuda[i] if cuda is not None else None)
+            loss = loss_fn(module, mb)
+            raw = torch.autograd.grad(
+                scale(loss) if scale else loss, list(params), allow_unused=True
+            )
+            step_grads = [
+                torch.zeros_like(p) if g is None else g for p, g in zip(params, raw, strict=True)
+            ]
+            grads = (
+                step_grads if not grads else [a + g for a, g in zip(grads, step_grads, strict=True)]
+            )
+            losses.append(loss.detach())
     total_loss = combined_loss(losses)
     return ReplayOutput(loss=total_loss, grads=grads, nonfinite=any_nonfinite(total_loss, grads))
 

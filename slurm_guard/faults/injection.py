@@ -132,7 +132,7 @@ def faults_from_env(environ: dict[str, str] | None = None) -> tuple[Fault, ...]:
     return parse_faults(env.get(ENV_VAR, ""))
 
 
-def _flip_bit(t: torch.Tensor, element: int, bit: int) -> None:
+def flip_bit(t: torch.Tensor, element: int, bit: int) -> None:
     """Flip one bit of one element in place, whatever the float width."""
     flat = t.view(-1)
     int_type = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
@@ -187,7 +187,7 @@ class FaultInjector:
             flat = out.view(-1)
             i = fault.element % flat.numel()
             if fault.flip:
-                _flip_bit(out, i, fault.bit)
+                flip_bit(out, i, fault.bit)
             else:
                 flat[i] = flat[i] * (1 + fault.factor)
 
@@ -217,7 +217,7 @@ class FaultInjector:
             if fault.kind == "grad-scale":
                 flat[i] = flat[i] * fault.factor
             elif fault.kind == "grad-bitflip":
-                _flip_bit(grad, i, fault.bit)
+                flip_bit(grad, i, fault.bit)
             elif fault.kind == "nan":
                 flat[i] = float("nan")
             else:
@@ -269,7 +269,7 @@ class FaultInjector:
         with torch.no_grad():
             for fault, param in self._weight_faults:
                 if self.active(fault):
-                    _flip_bit(param.data, fault.element % param.numel(), fault.bit)
+                    flip_bit(param.data, fault.element % param.numel(), fault.bit)
 
     def remove(self) -> None:
         for handle in self._handles:

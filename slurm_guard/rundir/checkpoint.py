@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
+DCP_METADATA_FILE = ".metadata"  # torch.distributed.checkpoint's index of a sharded save
 
 
 def rng_file(rank: int) -> str:
@@ -123,8 +124,12 @@ def publish(
     world_size: int,
     restart_count: int,
     run_id: str | None = None,
+    shard_fingerprints: list[str] | None = None,
 ) -> Path:
-    """Rank 0, after every rank wrote its files: seal with meta.json and rename into place."""
+    """Rank 0, after every rank wrote its files: seal with meta.json and rename into place.
+
+    `shard_fingerprints`: a sharded checkpoint (DCP files, `slurm_guard.sharded.checkpoint`)
+    records each rank's shard fingerprint, which that rank verifies on resume."""
     files = {
         p.name: sha256_file(p)
         for p in sorted(stage.iterdir())
@@ -140,6 +145,7 @@ def publish(
         restart_count=restart_count,
         created=time.time(),
         run_id=run_id,
+        shard_fingerprints=shard_fingerprints,
     )
     atomic_write_json(stage / "meta.json", meta.__dict__)
     final = run_dir.checkpoint_path(step)
@@ -157,7 +163,8 @@ def verify_files(run_dir: RunDir, meta: CheckpointMeta) -> str | None:
     Never raises: an unreadable file is as unusable as a corrupt one.
     """
     directory = run_dir.checkpoint_path(meta.step)
-    for required in (MODEL_FILE, OPTIMIZER_FILE):
+    sharded = meta.shard_fingerprints is not None
+    for required in (DCP_METADATA_FILE,) if sharded else (MODEL_FILE, OPTIMIZER_FILE):
         if required not in meta.files:
             return f"meta.json lists no {required}"
     for name, expected in meta.files.items():

@@ -30,6 +30,8 @@ class CheckpointMeta:
     schema: int = CHECKPOINT_SCHEMA
     fingerprint_seed: int | None = None  # the seed weight_fingerprint was computed under
     run_id: str | None = None  # identity.json's run_id of the run that saved it
+    # a sharded (DCP) checkpoint: each rank's shard fingerprint, in rank order; None for DDP
+    shard_fingerprints: list[str] | None = None
 
 
 def parse_checkpoint_meta(obj: Any, source: str) -> CheckpointMeta:
@@ -57,9 +59,18 @@ def parse_checkpoint_meta(obj: Any, source: str) -> CheckpointMeta:
                 int(obj["fingerprint_seed"]) if obj.get("fingerprint_seed") is not None else None
             ),
             run_id=str(obj["run_id"]) if isinstance(obj.get("run_id"), str) else None,
+            shard_fingerprints=_shard_fingerprints(obj.get("shard_fingerprints"), source),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise RecordError(f"{source}: malformed checkpoint metadata ({exc})") from None
+
+
+def _shard_fingerprints(value: Any, source: str) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise RecordError(f"{source}: 'shard_fingerprints' must be a list of strings")
+    return list(value)
 
 
 def trust_limit(

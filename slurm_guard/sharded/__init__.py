@@ -1,7 +1,10 @@
-"""Checks for sharded data parallelism (FSDP2 `fully_shard`, HSDP on a 2-D device mesh).
+"""The guard for sharded data parallelism (FSDP2 `fully_shard`, HSDP on a 2-D device mesh).
 
-Under sharding no rank holds a full replica, so the DDP guard's vote does not apply as such:
-`replica_vote` compares each shard with the same shard on the other replica groups.
+`ShardedGuard` (in `guard`) has the Guard's interface; its parts each do one job: `hooks` (the
+checked reduce-scatter), `replay` (a shard group recomputes another replica group's step),
+`verdict` (the row and the pure decisions), `verifier` (the collective rounds), `vote` (the
+shard-by-shard state fingerprints) and `checkpoint` (sealed DCP checkpoints). The guard itself
+is imported lazily (`slurm_guard.ShardedGuard`), so the vote does not pull in FSDP.
 """
 
 from __future__ import annotations

@@ -31,19 +31,19 @@ from slurm_guard.comm.topology import local_rank_info
 from slurm_guard.fingerprint.tree import Fingerprinter, as_int
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def shard(t: torch.Tensor) -> torch.Tensor:
     """The shard this rank holds: DTensor's local tensor, or the tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 
 
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out = [_local(p.detach()) for p in model.parameters()]
+    out = [shard(p.detach()) for p in model.parameters()]
     state: dict[Any, Any] = optimizer.state_dict()["state"]
     for key in sorted(state):
         for name in sorted(state[key]):
             value = state[key][name]
-            out.append(_local(value) if isinstance(value, torch.Tensor) else torch.tensor(value))
+            out.append(shard(value) if isinstance(value, torch.Tensor) else torch.tensor(value))
     return out
 
 
@@ -82,7 +82,7 @@ def local_grads_finite(model: nn.Module) -> bool:
     The sum stays on the gradients' device; the one host read is the answer.
     """
     partial = [
-        _local(p.grad).sum(dtype=torch.float64) for p in model.parameters() if p.grad is not None
+        shard(p.grad).sum(dtype=torch.float64) for p in model.parameters() if p.grad is not None
     ]
     if not partial:
         return True

@@ -1,0 +1,151 @@
+"""The sharded guard's verdict row and the pure decisions on the gathered rows.
+
+One fixed-size int64 row per rank per step, as in `checks.rows` for DDP, but with what a
+sharded step measures: the finite flags of the unreduced gradient (reduce-scatter input) and
+of the reduced shard, the loss bits, the checked GEMMs' worst ratio and, on verification
+steps, the fingerprint of this rank's reduce-scatter input and of its replay of another
+replica group's rank. Every rank runs the same functions on the same rows, so every rank
+reaches the same finding without a further round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from slurm_guard.checks.consistency import judge_vote
+from slurm_guard.checks.verdicts import (
+    Finding,
+    ReplayResult,
+    bits_to_float,
+    judge_replays,
+    settle_with_third,
+)
+from slurm_guard.comm.topology import Topology
+from slurm_guard.protocol import Check, Verdict
+from slurm_guard.sharded.replay import Mesh, ReplayValues
+
+(
+    LOCAL_NONFINITE,
+    REDUCED_NONFINITE,
+    OWN_LOSS,
+    OWN_GRAD,
+    REPLAYED,
+    REPLAY_LOSS,
+    REPLAY_GRAD,
+    REPLAY_NONFINITE,
+    REPLAY_FAILED,
+    ABFT_RATIO,
+    ABFT_WHERE,
+) = range(11)
+ROW = 11
+
+
+def replay_fields(own_grad: int, values: ReplayValues) -> list[int]:
+    """[OWN_GRAD .. REPLAY_FAILED] of a row."""
+    return [
+        own_grad,
+        values.owner,
+        values.loss,
+        values.grad,
+        int(values.nonfinite),
+        int(values.failed),
+    ]
+
+
+def replay_results(
+    rows: Sequence[Sequence[int]], replay_rows: Sequence[Sequence[int]]
+) -> list[ReplayResult]:
+    """Each replayer's values against its owner's own: `replay_rows[r]` is rank r's
+    [REPLAYED .. REPLAY_FAILED] slice of a round, `rows` the step's rows (the owners' values)."""
+    out = []
+    for replayer, rep in enumerate(replay_rows):
+        owner = rep[0]
+        if owner < 0:
+            continue
+        out.append(
+            ReplayResult(
+                owner=owner,
+                replayer=replayer,
+                owner_loss=rows[owner][OWN_LOSS],
+                owner_grad=rows[owner][OWN_GRAD],
+                replay_loss=rep[1],
+                replay_grad=rep[2],
+            )
+        )
+    return out
+
+
+def judge_sharded_replays(
+    first: list[ReplayResult], second: list[ReplayResult] | None, topology: Topology
+) -> Finding | None:
+    """Attribute failed comparisons of the first round, with the settling round's if it ran.
+
+    A persistent fault on rank F fails F's own step (its replayer disagrees) and F's replay
+    of someone else. With two replica groups those are the same pair of ranks, so the
+    settling round, in which a third rank recomputes every microbatch, names F: it is the one
+    rank common to every failed comparison. A single disputed comparison is settled by the
+    third rank's replay of the same owner (`settle_with_third`).
+    """
+    results = first + (second or [])
+    judgement = judge_replays(results, topology)
+    if judgement.settle is None:
+        return judgement.finding
+    disputed = judgement.settle
+    third = next((r for r in second or [] if r.owner == disputed.owner and r is not disputed), None)
+    if third is None:
+        return Finding(
+            Check.REPLAY,
+            Verdict.AMBIGUOUS,
+            tuple(sorted({disputed.owner, disputed.replayer})),
+            f"the replay of rank {disputed.owner}'s step by rank {disputed.replayer} disagrees "
+            "and no third replica group or shard position can settle it",
+            {"failed": [disputed.evidence()]},
+        )
+    return settle_with_third(disputed, third.replayer, third.replay_loss, third.replay_grad)
+
+
+def judge_abft(rows: Sequence[Sequence[int]], where: Sequence[str]) -> Finding | None:
+    """A checked GEMM whose residual exceeded its rounding bound: local and attributable at
+    once. `where[r]` names rank r's worst layer and pass (from its own ABFT handle)."""
+    bad = []
+    for rank, row in enumerate(rows):
+        ratio = bits_to_float(row[ABFT_RATIO])
+        if not ratio <= 1.0:
+            bad.append(rank)
+    if not bad:
+        return None
+    return Finding(
+        Check.ABFT,
+        Verdict.SDC,
+        tuple(bad),
+        f"checked GEMM failed its check on rank(s) {bad}: {where[bad[0]]}",
+        {"ratios": {str(r): bits_to_float(rows[r][ABFT_RATIO]) for r in bad}},
+    )
+
+
+def judge_shard_vote(fingerprints: Sequence[int], mesh: Mesh) -> Finding | None:
+    """Each shard position's replicas must hold identical state: vote column by column.
+
+    A strict majority within a column names the odd rank out (three or more replica groups);
+    with two, a disagreement is caught but cannot be attributed (ambiguous, both ranks named).
+    """
+    findings = []
+    for j in range(mesh.shards):
+        column = [mesh.ranks[i][j] for i in range(mesh.replicas)]
+        finding = judge_vote([fingerprints[r] for r in column], what=f"shard {j} state")
+        if finding is not None:
+            findings.append((finding, column))
+    if not findings:
+        return None
+    verdict = (
+        Verdict.SDC if all(f.verdict == Verdict.SDC for f, _ in findings) else Verdict.AMBIGUOUS
+    )
+    suspects = tuple(sorted({col[i] for f, col in findings for i in f.suspect_ranks}))
+    return Finding(
+        Check.VOTE,
+        verdict,
+        suspects,
+        "; ".join(f.message.replace("rank(s)", "replica group(s)") for f, _ in findings)
+        + f" (global ranks {list(suspects)})",
+        {"fingerprints": [f"{fp:016x}" for fp in fingerprints]},
+    )

@@ -1,0 +1,83 @@
+"""ShardedGuard training on gloo for tests (spawned processes import this module).
+
+A tiny Llama-like model sharded with fully_shard per block and on the root, on a 2x2 HSDP mesh
+(2 replica groups x 2 shards) or a 1-D FSDP mesh; every rank trains on its own microbatch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 128, (2, 9), generator=gen)
+
+
+def _digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    from slurm_guard.sharded.vote import local_state
+
+    h = hashlib.sha256()
+    for t in local_state(model, optimizer):
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def train(
+    run_dir: str,
+    steps: int,
+    *,
+    hsdp: bool = True,
+    config: dict[str, Any] | None = None,
+    faults: tuple[Any, ...] = (),
+    resume: bool = False,
+    save_at: tuple[int, ...] = (),
+    init_seed: int = 0,
+) -> dict[str, Any]:
+    """Train up to `steps` (from the resumed step with resume=True); return what tests read."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from slurm_guard import GuardConfig, ShardedGuard
+    from slurm_guard.examples.tiny_llama import TinyLlama, next_token_loss, shard_model
+
+    world = dist.get_world_size()
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    torch.manual_seed(init_seed)
+    model = shard_model(TinyLlama(), mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    settings = {"replay_every": 2, "vote_every": 1, "seed": 7, **(config or {})}
+    guard = ShardedGuard(
+        model, optimizer, next_token_loss, run_dir, GuardConfig(faults=faults, **settings)
+    )
+    start = guard.resume() if resume else 0
+    losses = []
+    rank = dist.get_rank()
+    for step in range(start, steps):
+        losses.append(guard.step(_batch(step, rank)))
+        if guard.step_count in save_at:
+            guard.save_checkpoint()
+    return {
+        "start": start,
+        "losses": losses,
+        "digest": _digest(model, optimizer),
+        "verified": list(guard.verified_steps),
+    }
+
+
+def train_saving(run_dir: str, steps: int, save_at: int) -> dict[str, Any]:
+    return train(run_dir, steps, save_at=(save_at,))
+
+
+def train_resumed(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, resume=True, init_seed=99)
+
+
+def train_fsdp_abft(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, hsdp=False, config={"abft": True})

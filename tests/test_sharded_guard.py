@@ -1,0 +1,152 @@
+"""ShardedGuard on 4 gloo ranks: HSDP as 2 replica groups x 2 shards, FSDP2 as one group of 4.
+
+Real FSDP2 (`fully_shard` on a tiny Llama-like model), real processes, real DCP files; faults
+through SLURM_GUARD_INJECT as a drill would inject them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from sharded_guard_workers import train, train_fsdp_abft, train_resumed, train_saving
+
+from slurm_guard.checks.verdicts import ReplayResult
+from slurm_guard.comm.topology import RankInfo, Topology
+from slurm_guard.local.launch import RankOutcome, run_local
+from slurm_guard.protocol import Verdict
+from slurm_guard.sharded.replay import Mesh
+from slurm_guard.sharded.verdict import judge_shard_vote, judge_sharded_replays
+
+NODES = ["n0", "n1", "n2", "n3"]
+
+
+def _alarms(outcomes: list[RankOutcome]) -> list[dict[str, object]]:
+    assert [o.status for o in outcomes] == ["alarm"] * 4, [o.value for o in outcomes]
+    alarms = [json.loads(o.value) if isinstance(o.value, str) else o.value for o in outcomes]
+    assert len({a["alarm_id"] for a in alarms}) == 1  # every rank raised the same record
+    return alarms
+
+
+def _ok(outcomes: list[RankOutcome]) -> list[dict[str, object]]:
+    assert [o.status for o in outcomes] == ["ok"] * 4, [o.value for o in outcomes]
+    return [o.value for o in outcomes]
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_mesh_pairs_replay_another_replica_group_and_settle_elsewhere() -> None:
+    mesh = Mesh(((0, 1), (2, 3)))
+    assert sorted(mesh.pairs(1, 0)) == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    assert mesh.settling_shifts() == (1, 1)  # two groups: another shard position settles
+    assert sorted(mesh.pairs(1, 1)) == [(0, 3), (1, 2), (2, 1), (3, 0)]
+    assert Mesh(((0,), (1,), (2,))).settling_shifts() == (2, 0)
+    assert Mesh(((0,), (1,))).settling_shifts() is None  # two copies and nothing else
+
+
+def _result(owner: int, replayer: int, good: bool) -> ReplayResult:
+    return ReplayResult(owner, replayer, 1, 5, 1, 5 if good else 6)
+
+
+def test_two_replica_groups_attribute_through_the_settling_round() -> None:
+    topology = Topology.build([RankInfo(r, f"n{r}", "h") for r in range(4)])
+    first = [_result(2, 0, True), _result(3, 1, False), _result(0, 2, True), _result(1, 3, False)]
+    # rank 3 alone is ambiguous against rank 1 until a third rank recomputes
+    second = [_result(3, 0, False), _result(2, 1, True), _result(1, 2, True), _result(0, 3, False)]
+    finding = judge_sharded_replays(first, second, topology)
+    assert finding is not None and finding.verdict == Verdict.SDC
+    assert finding.suspect_ranks == (3,)
+
+
+def test_shard_vote_names_the_odd_replica_or_is_ambiguous_with_two() -> None:
+    three = Mesh(((0, 1), (2, 3), (4, 5)))
+    finding = judge_shard_vote([7, 8, 7, 9, 7, 8], three)
+    assert finding is not None and finding.verdict == Verdict.SDC and finding.suspect_ranks == (3,)
+    two = Mesh(((0, 1), (2, 3)))
+    finding = judge_shard_vote([7, 8, 7, 9], two)
+    assert finding is not None and finding.verdict == Verdict.AMBIGUOUS
+    assert finding.suspect_ranks == (1, 3)
+    assert judge_shard_vote([7, 8, 7, 8], two) is None
+
+
+# ------------------------------------------------------------------ 4 gloo ranks
+
+
+@pytest.mark.distributed
+def test_clean_hsdp_run_gives_no_alarm(tmp_path: Path) -> None:
+    values = _ok(run_local(train, 4, args=(str(tmp_path), 4), nodes=NODES))
+    assert all(v["verified"] == [0, 2] for v in values)  # both replay steps passed
+    assert values[0]["digest"] == values[2]["digest"]  # shard 0's replicas agree
+    assert values[1]["digest"] == values[3]["digest"]
+    assert not list((tmp_path / "alarms").glob("*.json"))
+
+
+@pytest.mark.distributed
+def test_persistent_gradient_fault_is_caught_at_the_next_replay_and_names_its_node(
+    tmp_path: Path,
+) -> None:
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,rank=3,step=1,persistent=1"}
+    outcomes = run_local(train, 4, args=(str(tmp_path), 5), nodes=NODES, extra_env=inject)
+    alarm = _alarms(outcomes)[0]
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "sdc", 2)
+    assert alarm["suspect_ranks"] == [3] and alarm["suspect_nodes"] == ["n3"]
+    assert alarm["last_verified_step"] == 0 and alarm["update_applied"] is False
+    written = json.loads(next((tmp_path / "alarms").glob("*.json")).read_text())
+    assert written["suspect_nodes"] == ["n3"]  # the record the controller drains from
+
+
+@pytest.mark.distributed
+def test_one_off_nan_is_triaged_by_a_replay_in_the_other_replica_group(tmp_path: Path) -> None:
+    inject = {"SLURM_GUARD_INJECT": "kind=nan,rank=2,step=1"}  # step 1 is not a replay step
+    outcomes = run_local(train, 4, args=(str(tmp_path), 3), nodes=NODES, extra_env=inject)
+    alarm = _alarms(outcomes)[0]
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("finite_local", "sdc", 1)
+    assert alarm["suspect_ranks"] == [2]
+
+
+@pytest.mark.distributed
+def test_weight_bit_flip_is_caught_by_the_shard_vote(tmp_path: Path) -> None:
+    inject = {"SLURM_GUARD_INJECT": "kind=weight-bitflip,rank=1,step=1,bit=30"}
+    outcomes = run_local(train, 4, args=(str(tmp_path), 4), nodes=NODES, extra_env=inject)
+    alarm = _alarms(outcomes)[0]
+    assert (alarm["check"], alarm["step"], alarm["update_applied"]) == ("vote", 1, True)
+    # two replica groups: the vote sees shard 1's copies differ, but not which one is wrong
+    assert alarm["verdict"] == "ambiguous" and alarm["suspect_ranks"] == [1, 3]
+
+
+@pytest.mark.distributed
+def test_resume_from_a_dcp_checkpoint_is_bit_identical(tmp_path: Path) -> None:
+    full = _ok(run_local(train_saving, 4, args=(str(tmp_path), 6, 3), nodes=NODES))
+    step = tmp_path / "checkpoints" / "step-00000003"
+    meta = json.loads((step / "meta.json").read_text())
+    assert {".metadata", "__0_0.distcp", "__3_0.distcp"} <= set(meta["files"])
+    assert len(meta["shard_fingerprints"]) == 4
+    resumed = _ok(run_local(train_resumed, 4, args=(str(tmp_path), 6), nodes=NODES))
+    for a, b in zip(full, resumed, strict=True):
+        assert b["start"] == 3
+        assert b["losses"] == a["losses"][3:]  # bit for bit: Python floats compared exactly
+        assert b["digest"] == a["digest"]
+
+
+@pytest.mark.distributed
+def test_a_tampered_shard_is_refused_on_resume(tmp_path: Path) -> None:
+    _ok(run_local(train_saving, 4, args=(str(tmp_path), 3, 3), nodes=NODES))
+    shard = tmp_path / "checkpoints" / "step-00000003" / "__2_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-9] ^= 0x10
+    shard.write_bytes(bytes(data))
+    outcomes = run_local(train_resumed, 4, args=(str(tmp_path), 4), nodes=NODES)
+    # the only checkpoint is damaged: every rank refuses with the same error, none trains on
+    assert [o.status for o in outcomes] == ["error"] * 4
+    assert all("damaged" in o.value or "sha256" in o.value for o in outcomes), outcomes[0].value
+
+
+@pytest.mark.distributed
+def test_fsdp_without_replicas_catches_a_one_off_gemm_fault_with_abft(tmp_path: Path) -> None:
+    inject = {"SLURM_GUARD_INJECT": "kind=gemm,rank=1,step=2,layer=3,pass=grad_w"}
+    outcomes = run_local(train_fsdp_abft, 4, args=(str(tmp_path), 4), nodes=NODES, extra_env=inject)
+    alarm = _alarms(outcomes)[0]
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("abft", "sdc", 2)
+    assert alarm["suspect_ranks"] == [1] and alarm["suspect_nodes"] == ["n1"]
