@@ -160,7 +160,7 @@ def guard_comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Futur
             try:
                 out.set_result(done.value())
             except Exception as exc:
-                out.set_exception(exc)
+                out.set_exception(exc)  # type: ignore[arg-type]
 
     reduced.add_done_callback(forward)
     state.watch.track(out)

@@ -31,7 +31,6 @@ import contextlib
 import datetime
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
@@ -41,7 +40,6 @@ from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from slurm_guard.comm.devices import backend_device, required_device_type
 from slurm_guard.comm.errors import (
-    CollectiveError,
     CollectiveMismatch,
     DeviceCheckError,
     RankFailed,
@@ -59,7 +57,6 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CAUSE_CHARS = 600  # an exception's text as other ranks see it (the failing rank logs it whole)
-PROBE_SECONDS = 5.0  # a store round this slow asks every rank where it is (a mismatch stops it)
 _SLICE = datetime.timedelta(seconds=1)  # gloo waits this long between looks at the hang verdict
 
 
@@ -67,10 +64,6 @@ def _tag(text: str) -> int:
     """A 20-bit hash of a round's name, so a sum of them reveals ranks at different calls."""
     digest = hashlib.blake2b(text.encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") % ((1 << 20) - 1) + 1
-
-
-_COUNT = 1 << 40  # the arrival counter adds COUNT + tag: arrivals above, tag sum below
-_EMPTY = ""
 
 
 class Collective:
@@ -100,6 +93,7 @@ class Collective:
         self.call = "(set-up)"  # the guard call this rank is in: its tag travels with each round
         self._agreements = 0
         self._mismatches = 0
+        self._tag_buffer: torch.Tensor | None = None
         members = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         # Every Guard (and every sharded vote) on a group gets its own key space; ranks create
         # them in the same order, so the instance number agrees across ranks.
@@ -150,9 +144,8 @@ class Collective:
             self.watch.raise_if_stopped(wait)
 
     def _abort_backend(self, error: GuardError) -> None:
-        """On NCCL, aborting the communicator fails every pending collective (DDP's included),
-        so a rank blocked in one raises the verdict; gloo's abort does not unblock a pending
-        operation, so there the waits are sliced and the DDP hook's futures failed instead."""
+        """NCCL: aborting fails every pending collective (DDP's too), so a blocked rank raises
+        the verdict. gloo's abort does not unblock one: there the waits are sliced instead."""
         if self.device.type != "cpu":
             group = self.group if self.group is not None else dist.group.WORLD
             assert group is not None
@@ -193,9 +186,14 @@ class Collective:
         return rows
 
     def _tags(self) -> torch.Tensor:
-        """This call's tag and its complement, for a MAX all-reduce."""
+        """This call's tag and its complement, for a MAX all-reduce: filled into a tensor kept on
+        the device (a fill is a kernel with a scalar argument, not a blocking upload)."""
+        if self._tag_buffer is None:
+            self._tag_buffer = torch.zeros(2, dtype=torch.int64, device=self.device)
         tag = _tag(self.call)
-        return torch.tensor([tag, ~tag], dtype=torch.int64).to(self.device, non_blocking=True)
+        self._tag_buffer[0].fill_(tag)
+        self._tag_buffer[1].fill_(~tag)
+        return self._tag_buffer
 
     def _same_call(self, tag_max: int, complement_max: int) -> None:
         """max(tag) == ~max(~tag) iff every rank sent the same tag; otherwise find out who is where
@@ -368,61 +366,17 @@ class Collective:
 
     def arrive(self, what: str) -> None:
         """A store round, for `Guard()`, `save_checkpoint()` and `resume()` only: every rank
-        checks in and waits for all (at most `watchdog_seconds`). Per rank: one counter
-        increment and one wait (the last to arrive also writes the answer). A round slower than
-        `PROBE_SECONDS` asks the hang watch where every rank is: ranks at different guard calls
-        (`if rank == 0: guard.save_checkpoint()`) stop at once, late ranks are waited for."""
+        checks in and waits for all, at most `watchdog_seconds` (`HangWatch.store_round`)."""
         self.arm(what)
-        if self.watch is None or self.store is None:
-            return
-        self.seq += 1
-        seq, world, watch = self.seq, self.world_size, self.watch
-        store = watch.rounds
-        go = watch.waiting_on = f"{seq}/go"
-        try:
-            tag = _tag(what)
-            total = store.add(f"{seq}/n", _COUNT + tag)
-            if total // _COUNT == world:  # the last to arrive decides for everyone
-                if total % _COUNT == world * tag:
-                    store.set(go, "ok")
-                else:
-                    watch.declare("mismatch")
-                if seq > 1:  # every rank has read the previous round's answer by now
-                    store.delete_key(f"{seq - 1}/n")
-                    store.delete_key(f"{seq - 1}/go")
-            watch.raise_if_stopped()
-            start = time.monotonic()
-            for kind, until in (("probe", PROBE_SECONDS), ("deadline", self.watchdog_seconds)):
-                left = min(until, self.watchdog_seconds) - (time.monotonic() - start)
-                try:
-                    store.wait([go], datetime.timedelta(seconds=max(left, 0.001)))
-                    break
-                except dist.DistStoreError as exc:
-                    if not _is_timeout(exc):
-                        raise
-                watch.raise_if_stopped()
-                watch.declare(kind)
-                watch.raise_if_stopped()
-            else:  # every rank is in this call, yet the round did not complete
-                store.wait([go], datetime.timedelta(seconds=self.watchdog_seconds))
-            if store.get(go) != b"ok":  # woken by a verdict: raise it (fail closed without one)
-                watch.raise_if_stopped(wait=30.0)
-                raise CollectiveError(f"'{what}' was stopped by the hang watch without a verdict")
-        except GuardError:
-            raise
-        except (RuntimeError, dist.DistError) as exc:
-            watch.raise_if_stopped(wait=5.0)
-            raise CollectiveError(
-                f"rank {self.rank} ({self.node}) lost contact with the guard's key-value store "
-                f"(hosted by rank 0) at '{what}': the other ranks have most likely stopped; see "
-                f"rank 0's log ({exc})"
-            ) from None
-        finally:
-            watch.waiting_on = None
+        if self.watch is not None:
+            self.seq += 1
+            self.watch.store_round(self.seq, what, _tag(what))
 
 
 def _tcp_store(store: Store) -> Store | None:
-    """The TCPStore under the default store's prefixes (the hang watch opens its own clients)."""
+    """The store under the default store's prefixes, if it can open more clients (`clone`: a
+    TCPStore, or a Python store that wraps one, as the test that counts requests does)."""
     while isinstance(store, PrefixStore):
         store = store.underlying_store
-    return store if isinstance(store, dist.TCPStore) else None
+    tcp = dist.TCPStore  # type: ignore[attr-defined]
+    return store if isinstance(store, tcp) or "clone" in type(store).__dict__ else None

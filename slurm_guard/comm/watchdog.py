@@ -39,13 +39,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
-from slurm_guard.comm.errors import LISTED, CollectiveMismatch, RanksMissing, listed
+from slurm_guard.comm.errors import (
+    LISTED,
+    CollectiveError,
+    CollectiveMismatch,
+    RanksMissing,
+    listed,
+)
 from slurm_guard.errors import GuardError
 
 logger = logging.getLogger(__name__)
 
 LINGER_SECONDS = 30.0  # rank 0 (the store's host) waits this long for late ranks to read why
 COLLECT_SECONDS = 10.0  # the declarer waits this long for every rank's position
+PROBE_SECONDS = 5.0  # a store round this slow asks every rank where it is (a mismatch stops it)
+_COUNT = 1 << 40  # a store round's counter adds COUNT + tag: arrivals above, tag sum below
 _FOREVER = datetime.timedelta(hours=24)  # the listener's wait, renewed when it runs out
 
 
@@ -130,8 +138,8 @@ class HangWatch:
         seconds: float,
         on_stop: Callable[[GuardError], None] | None = None,
     ) -> None:
-        self._listen = PrefixStore(prefix, base.clone())
-        self._talk = PrefixStore(prefix, base.clone())
+        self._listen = PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
+        self._talk = PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
         # the store rounds (`Collective.arrive`): the main thread's connection, this key space,
         # so that a verdict can wake a rank waiting in one (`waiting_on`)
         self.rounds = PrefixStore(prefix + "rounds/", base)
@@ -177,7 +185,7 @@ class HangWatch:
                 self._futures.append(future)
                 return
         with contextlib.suppress(RuntimeError):
-            future.set_exception(RuntimeError(str(self.error)))
+            future.set_exception(RuntimeError(str(self.error)))  # type: ignore[arg-type]
 
     def raise_if_stopped(self, wait: float = 0.0) -> None:
         """Raise the verdict, if there is one (waiting up to `wait` s for it to arrive)."""
@@ -217,6 +225,54 @@ class HangWatch:
             self._cv.wait_for(
                 lambda: self._epoch > epoch or self.error is not None, COLLECT_SECONDS + 30
             )
+
+    def store_round(self, seq: int, what: str, tag: int) -> None:
+        """Round `seq` of the store rounds (`Collective.arrive`): per rank one counter increment
+        and one wait; the last to arrive writes the answer. A round slower than `PROBE_SECONDS`
+        asks every rank where it is: ranks at different guard calls (`if rank == 0:
+        guard.save_checkpoint()`) stop at once, late ranks are waited for until the deadline."""
+        store, world = self.rounds, self.world
+        go = self.waiting_on = f"{seq}/go"
+        try:
+            total = store.add(f"{seq}/n", _COUNT + tag)
+            if total // _COUNT == world:  # the last to arrive decides for everyone
+                if total % _COUNT == world * tag:
+                    store.set(go, "ok")
+                else:
+                    self.declare("mismatch")
+                if seq > 1:  # every rank has read the previous round's answer by now
+                    with contextlib.suppress(RuntimeError):  # tidying only (not every store can)
+                        store.delete_key(f"{seq - 1}/n")
+                        store.delete_key(f"{seq - 1}/go")
+            self.raise_if_stopped()
+            start = time.monotonic()
+            for kind, until in (("probe", PROBE_SECONDS), ("deadline", self.seconds)):
+                left = min(until, self.seconds) - (time.monotonic() - start)
+                try:
+                    store.wait([go], datetime.timedelta(seconds=max(left, 0.001)))
+                    break
+                except dist.DistStoreError as exc:
+                    if not _is_timeout(exc):
+                        raise
+                self.raise_if_stopped()
+                self.declare(kind)
+                self.raise_if_stopped()
+            else:  # every rank is in this call, yet the round did not complete
+                store.wait([go], datetime.timedelta(seconds=self.seconds))
+            if store.get(go) != b"ok":  # woken by a verdict: raise it (fail closed without one)
+                self.raise_if_stopped(wait=30.0)
+                raise CollectiveError(f"'{what}' was stopped by the hang watch without a verdict")
+        except GuardError:
+            raise
+        except (RuntimeError, dist.DistError) as exc:
+            self.raise_if_stopped(wait=5.0)
+            raise CollectiveError(
+                f"rank {self.rank} ({self.node}) lost contact with the guard's key-value store "
+                f"(hosted by rank 0) at '{what}': the other ranks have most likely stopped; see "
+                f"rank 0's log ({exc})"
+            ) from None
+        finally:
+            self.waiting_on = None
 
     # ------------------------------------------------------------------ threads
 
@@ -274,7 +330,7 @@ class HangWatch:
         logger.error("rank %d (%s): %s", self.rank, self.node, error)
         for future in futures:
             with contextlib.suppress(RuntimeError):
-                future.set_exception(RuntimeError(str(error)))
+                future.set_exception(RuntimeError(str(error)))  # type: ignore[arg-type]
         waiting = self.waiting_on
         if waiting is not None:
             with contextlib.suppress(RuntimeError, dist.DistError):
