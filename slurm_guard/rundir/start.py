@@ -76,7 +76,7 @@ def open_run_dir(
     comm.share_problem(problem, "run directory lock and identity")
     run_id = ""
     problem = None
-    names = topology.nodes()
+    names = topology.nodes
     node_index = names.index(topology.node_of(rank))
     first_on_node = rank == min(
         r for r in range(world_size) if topology.node_of(r) == names[node_index]
