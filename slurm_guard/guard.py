@@ -77,7 +77,6 @@ class Guard(GuardCore):
             raise
         result = self.finish_step(plan, losses)
         self.apply_update(plan, result)
-        self.comm.disarm()
         # OWN_LOSS of this rank's gathered row: `combined_loss` in float64 (the sum over
         # microbatches), read with the verdicts instead of a float(loss) sync per step
         return bits_to_float(self.verifier.last_loss_bits) / len(losses)

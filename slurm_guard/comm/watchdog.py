@@ -210,6 +210,10 @@ class HangWatch:
         try:
             won = talk.compare_set(f"hang/{epoch}", "", mine).decode() == mine
             if won:
+                # Posted here, not by this rank's listener: a TCPStore client serves one request
+                # at a time, so the listener's `set` on `_talk` would queue behind the `wait`
+                # below until it times out, and this rank would be judged as not answering.
+                talk.set(f"pos/{epoch}/{self.rank}", encode(ref))
                 keys = [f"pos/{epoch}/{r}" for r in range(self.world)]
                 with contextlib.suppress(dist.DistStoreError):
                     talk.wait(keys, datetime.timedelta(seconds=COLLECT_SECONDS))
