@@ -32,6 +32,7 @@ communication terms are extrapolated from the per-hop cost fitted to the measure
 
     python benchmarks/scaling.py             # W = 2..8, 7 rounds
     python benchmarks/scaling.py --quick     # W = 2, 4, 8, 3 rounds
+    python benchmarks/scaling.py --store-load  # rank 0's store per round, N = 64..2,048
 """
 
 from __future__ import annotations
@@ -304,7 +305,19 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=None)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
+    parser.add_argument(
+        "--store-load",
+        action="store_true",
+        help="rank 0's TCPStore load per guard round, N simulated ranks (store_load.py)",
+    )
     args = parser.parse_args()
+    if args.store_load:
+        import store_load
+
+        sizes = args.worlds or [64, 256, 1024, 2048]
+        results = store_load.main(sizes, args.rounds or 3)
+        write_json("scaling_store_load", {"store_load": results}, args.json)
+        return
     worlds: list[int] = args.worlds or ([2, 4, 8] if args.quick else list(range(2, 9)))
     rounds = args.rounds or (3 if args.quick else 7)
 

@@ -63,13 +63,18 @@ class Guard(GuardCore):
         plan = self.begin_step(batch)
         micro = list(batch) if isinstance(batch, Microbatches) else [batch]
         losses = []
-        for i, microbatch in enumerate(micro):
-            # accumulate locally, reduce once: DDP's hook (and ours) runs on the last backward
-            last = i == len(micro) - 1
-            with contextlib.nullcontext() if last else self.ddp.no_sync():
-                loss = self.loss(microbatch)
-                self.scaled(loss).backward()  # type: ignore[no-untyped-call]
-            losses.append(loss.detach())
+        try:
+            for i, microbatch in enumerate(micro):
+                # accumulate locally, reduce once: DDP's hook (and ours) runs on the last backward
+                last = i == len(micro) - 1
+                with contextlib.nullcontext() if last else self.ddp.no_sync():
+                    loss = self.loss(microbatch)
+                    self.scaled(loss).backward()  # type: ignore[no-untyped-call]
+                losses.append(loss.detach())
+        except RuntimeError:
+            # a DDP all-reduce failed by the hang watch's verdict: raise that, not its echo
+            self.comm.raise_if_stopped()
+            raise
         result = self.finish_step(plan, losses)
         self.apply_update(plan, result)
         # OWN_LOSS of this rank's gathered row: `combined_loss` in float64 (the sum over

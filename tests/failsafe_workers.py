@@ -282,3 +282,96 @@ def p2p_on_subgroup() -> dict[str, Any]:
     peer = 1 - comm.rank
     comm.p2p([comm.send(box.clone(), peer), comm.recv(box, peer)], "subgroup exchange")
     return {"member": True, "group_rank": comm.rank, "got": box.tolist()}
+
+
+class CountingStore(dist.Store):
+    """Every request made through it, counted (`counts`): wrapped around the process group's
+    TCPStore, it sees the guard's store traffic, its hang watch's own connections included."""
+
+    def __init__(self, inner: dist.Store, counts: dict[str, int]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.counts = counts
+
+    def _count(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1
+
+    def set(self, key: str, value: Any) -> None:
+        self._count("set")
+        self.inner.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._count("get")
+        return self.inner.get(key)
+
+    def add(self, key: str, value: int) -> int:
+        self._count("add")
+        return self.inner.add(key, value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        self._count("compare_set")
+        return self.inner.compare_set(key, expected, desired)
+
+    def wait(self, keys: list[str], timeout: Any = None) -> None:
+        self._count("wait")
+        if timeout is None:
+            self.inner.wait(keys)
+        else:
+            self.inner.wait(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        self._count("check")
+        return self.inner.check(keys)
+
+    def delete_key(self, key: str) -> bool:
+        self._count("delete_key")
+        return self.inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        self._count("num_keys")
+        return self.inner.num_keys()
+
+    def set_timeout(self, timeout: Any) -> None:
+        self.inner.set_timeout(timeout)
+
+    def clone(self) -> CountingStore:
+        return CountingStore(self.inner.clone(), self.counts)
+
+
+def store_requests_per_step(run_dir: str, fast_path_world: int = 32) -> dict[str, Any]:
+    """The process group rebuilt on a counting store around the same TCPStore; returns the
+    store requests of Guard(), of each of 4 steps (replay at 0 and 3, vote at 2), of a save."""
+    from torch.distributed import PrefixStore
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = dist.distributed_c10d._get_default_store()
+    while isinstance(base, PrefixStore):
+        base = base.underlying_store
+    dist.barrier()
+    dist.destroy_process_group()
+    counts: dict[str, int] = {}
+    store = CountingStore(PrefixStore("counted/", base), counts)  # referenced: see clone
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+
+    def requests() -> int:
+        return sum(counts.values())
+
+    def run() -> dict[str, Any]:
+        config = sg.GuardConfig(replay_every=3, vote_every=3, fast_path_world=fast_path_world)
+        before = requests()
+        guard = _guard(run_dir, config)
+        time.sleep(0.5)  # the hang watch's listener has issued its one blocking wait
+        setup = requests() - before
+        steps = []
+        for step in range(4):
+            before = requests()
+            guard.step(make_batch(step, rank, SMALL))
+            steps.append(requests() - before)
+        before = requests()
+        guard.save_checkpoint()
+        return {"setup": setup, "steps": steps, "save": requests() - before}
+
+    out = _outcome(run)
+    out["store"] = store  # kept alive until the group is destroyed
+    out.pop("store")
+    return out

@@ -192,3 +192,24 @@ def test_node_fault_on_a_single_host_run_is_warned_about(caplog: pytest.LogCaptu
         announce_faults((sg.Fault("grad-scale", node="n1", step=3),), three, 0, 0)
         announce_faults((sg.Fault("grad-scale", rank=1, step=3),), one_host, 0, 0)
     assert "fault injection is ON" in caplog.text and "hosts every rank" not in caplog.text
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fast_path_world", [32, 1], ids=["row-gather", "fast-path"])
+def test_a_step_makes_no_store_request(tmp_path: Path, fast_path_world: int) -> None:
+    """Issue 25: rank 0's TCPStore served 4 round trips per rank per step (the per-step arrival
+    check), O(W) serially at rank 0. Counted through a store wrapped around the process group's
+    (the hang watch's own connections are clones of it, so they count too): a plain step, a
+    replay step and a vote step make no request at all; Guard() and save_checkpoint() keep
+    their store rounds."""
+    from failsafe_workers import store_requests_per_step
+
+    outcomes = run_local(
+        store_requests_per_step, 3, args=(str(tmp_path), fast_path_world), nodes=NODES
+    )
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+    for o in outcomes:
+        assert o.value["error"] is None, o.value["message"]
+        value = o.value["value"]
+        assert value["steps"] == [0, 0, 0, 0], value
+        assert value["setup"] > 0 and value["save"] > 0, value

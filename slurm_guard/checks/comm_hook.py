@@ -23,6 +23,7 @@ The values stay on the device as tensors; the guard reads them once per step in 
 collective, so the hook adds no synchronisation.
 """
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import GradBucket  # the class DDP compares against
 
+from slurm_guard.comm.watchdog import HangWatch
 from slurm_guard.fingerprint.tree import Fingerprinter
 from slurm_guard.kernels.bucket import bucket_check
 from slurm_guard.kernels.sketch import divide, seed_words, sign_bits
@@ -70,6 +72,7 @@ class HookState:
     signs: SignVectors
     param_index: dict[int, int]  # id(param) -> position in the guard's parameter list
     corrupt_reduced: Callable[[torch.Tensor, int], None] | None = None  # fault injection
+    watch: HangWatch | None = None  # gloo: DDP waits on futures a hang verdict can fail
     active: bool = True
     fingerprint_local: bool = False
     sketch_local: bool = False  # tolerance mode: per-parameter sketch and norm, not fingerprints
@@ -146,4 +149,19 @@ def guard_comm_hook(state: HookState, bucket: GradBucket) -> torch.futures.Futur
         state.reduced_sketches[index] = _sketch(state, reduced, divisor)
         return reduced
 
-    return work.get_future().then(average)  # type: ignore[no-any-return]
+    reduced: torch.futures.Future[torch.Tensor] = work.get_future().then(average)
+    if state.watch is None or buffer.device.type != "cpu":
+        return reduced  # NCCL: the hang watch aborts the communicator, which fails this future
+    # gloo cannot abort a pending operation: DDP waits on a future the hang watch can fail
+    out: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+
+    def forward(done: torch.futures.Future[torch.Tensor]) -> None:
+        with contextlib.suppress(RuntimeError):  # already failed by a verdict
+            try:
+                out.set_result(done.value())
+            except Exception as exc:
+                out.set_exception(exc)  # type: ignore[arg-type]
+
+    reduced.add_done_callback(forward)
+    state.watch.track(out)
+    return out

@@ -10,11 +10,15 @@ checkable in one place:
 - Agreement (`Collective.agree`): a step that can fail on one rank runs, its failure flag is
   gathered, and every rank raises the same `RankFailed` naming the failing rank, its node and the
   cause, instead of the others waiting in the next collective.
-- Arrival (`Collective.arrive`, the watchdog): before a round, each rank checks in through the
-  process group's key-value store (the TCPStore on rank 0, not the backend), with a deadline. A rank
-  that does not arrive becomes `RanksMissing` naming it; ranks that arrive at different guard calls
-  (`if rank == 0: guard.save_checkpoint()`) become `CollectiveMismatch` at once. The backend's
-  collective itself only starts once every rank is known to be there.
+- Hangs (`Collective.arm`, `watchdog.HangWatch`): a step only records, in memory, which guard call
+  this rank is in; a daemon thread talks to the store only when `watchdog_seconds` pass, and then
+  every rank raises the same `RanksMissing` naming the ranks behind. A plain step makes no store
+  request. Store rounds (`Collective.arrive`) remain for `Guard()`, `save_checkpoint()` and
+  `resume()` only.
+- Mismatched calls: every reduction and gather of a guard call carries the call's tag (a MAX
+  all-reduce carries the tag and its complement: max == ~max(~tag) iff every rank sent the same
+  one), so ranks at different guard calls raise `CollectiveMismatch` without a round trip of
+  its own.
 
 Tests switch on a stricter device check with `SLURM_GUARD_CHECK_DEVICE=cuda|cpu` (or the
 `check_devices` context manager): every tensor handed to a collective must then be on that device
@@ -27,7 +31,6 @@ import contextlib
 import datetime
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import ClassVar, TypeVar
 
@@ -37,14 +40,12 @@ from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from slurm_guard.comm.devices import backend_device, required_device_type
 from slurm_guard.comm.errors import (
-    LISTED,
-    CollectiveError,
     CollectiveMismatch,
     DeviceCheckError,
     RankFailed,
-    RanksMissing,
     listed,
 )
+from slurm_guard.comm.watchdog import HangWatch, _is_timeout
 from slurm_guard.errors import GuardError
 
 # torch 2.13 renamed all_gather_into_tensor (now a deprecated alias that warns on every call);
@@ -56,7 +57,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CAUSE_CHARS = 600  # an exception's text as other ranks see it (the failing rank logs it whole)
-LINGER_SECONDS = 30.0  # rank 0 (the store's host) waits this long for late ranks to read why
+_SLICE = datetime.timedelta(seconds=1)  # gloo waits this long between looks at the hang verdict
 
 
 def _tag(text: str) -> int:
@@ -65,18 +66,14 @@ def _tag(text: str) -> int:
     return int.from_bytes(digest, "little") % ((1 << 20) - 1) + 1
 
 
-_COUNT = 1 << 40  # the arrival counter adds COUNT + tag: arrivals above, tag sum below
-_EMPTY = ""
-
-
 class Collective:
     """The guard's collectives over one process group.
 
     Args:
         group: the process group (None: the default group).
         node: this rank's node name, for messages that name a failing rank.
-        watchdog_seconds: how long a round waits for every rank to arrive; 0 turns the arrival
-            check off (then a missing rank waits for the backend's own timeout).
+        watchdog_seconds: how long a guard call may wait for a rank that is behind; 0 turns the
+            hang watch off (then a missing rank waits for the backend's own timeout).
     """
 
     _instances: ClassVar[dict[tuple[int, ...], int]] = {}
@@ -91,9 +88,12 @@ class Collective:
         self.backend = str(dist.get_backend(group))
         self.device = backend_device(self.backend)
         self.watchdog_seconds = float(watchdog_seconds)
-        self.seq = 0  # arrival rounds so far (equal on every rank while nothing went wrong)
+        self.seq = 0  # store rounds so far (equal on every rank while nothing went wrong)
         self.host_reads = 0  # device-to-host copies of gathered rows (tests count them)
+        self.call = "(set-up)"  # the guard call this rank is in: its tag travels with each round
         self._agreements = 0
+        self._mismatches = 0
+        self._tag_buffer: torch.Tensor | None = None
         members = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         # Every Guard (and every sharded vote) on a group gets its own key space; ranks create
         # them in the same order, so the instance number agrees across ranks.
@@ -101,15 +101,71 @@ class Collective:
         Collective._instances[members] = instance + 1
         space = hashlib.blake2b(repr(members).encode(), digest_size=6).hexdigest()
         self.store: Store | None
+        self.watch: HangWatch | None = None
         try:
             # The store the process group was built from. torch has no public accessor; without
-            # it the arrival check and the causes in RankFailed are unavailable (logged).
+            # it the hang watch and the causes in RankFailed are unavailable (logged).
             base = dist.distributed_c10d._get_default_store()
             self.store = PrefixStore(f"slurm-guard/{space}/{instance}/", base)
         except (RuntimeError, ValueError, AttributeError) as exc:
             logger.warning("no key-value store for the guard's watchdog (%s); it is off", exc)
             self.store = None
             self.watchdog_seconds = 0.0
+            return
+        if self.watchdog_seconds > 0:
+            tcp = _tcp_store(base)
+            if tcp is None:
+                logger.warning("the process group's store is no TCPStore: the hang watch is off")
+                self.watchdog_seconds = 0.0
+            else:
+                prefix = f"slurm-guard-watch/{space}/{instance}/"
+                self.watch = HangWatch(
+                    tcp, prefix, self.rank, self.world_size, node, self.watchdog_seconds,
+                    on_stop=self._abort_backend,
+                )  # fmt: skip
+
+    # ------------------------------------------------------------------ hang watch
+
+    def arm(self, what: str) -> None:
+        """Enter guard call `what` (the same text on every rank: "step 12"). No store request:
+        raises the hang verdict if one came meanwhile."""
+        self.call = what
+        if self.watch is not None:
+            self.watch.arm(what)
+
+    def disarm(self) -> None:
+        """Leave the guard call: this rank is in user code until the next `arm`."""
+        if self.watch is not None:
+            self.watch.disarm()
+
+    def raise_if_stopped(self, wait: float = 0.0) -> None:
+        """Raise the hang verdict, if any (after a collective failed: waiting `wait` s for it)."""
+        if self.watch is not None:
+            self.watch.raise_if_stopped(wait)
+
+    def _abort_backend(self, error: GuardError) -> None:
+        """NCCL: aborting fails every pending collective (DDP's too), so a blocked rank raises
+        the verdict. gloo's abort does not unblock one: there the waits are sliced instead."""
+        if self.device.type != "cpu":
+            group = self.group if self.group is not None else dist.group.WORLD
+            assert group is not None
+            group.abort()
+
+    def _wait(self, work: dist.Work | None) -> None:
+        """Wait for an async collective; on gloo, in slices, looking at the hang verdict."""
+        assert work is not None
+        if self.watch is None or self.device.type != "cpu":
+            work.wait()
+            return
+        while True:
+            try:
+                work.wait(_SLICE)
+                return
+            except RuntimeError as exc:
+                if not _is_timeout(exc):
+                    self.raise_if_stopped(wait=60.0)
+                    raise
+                self.watch.raise_if_stopped()
 
     # ------------------------------------------------------------------ devices
 
@@ -129,57 +185,100 @@ class Collective:
         rows: list[list[int]] = t.cpu().tolist()
         return rows
 
+    def _tags(self) -> torch.Tensor:
+        """This call's tag and its complement, for a MAX all-reduce: filled into a tensor kept on
+        the device (a fill is a kernel with a scalar argument, not a blocking upload)."""
+        if self._tag_buffer is None:
+            self._tag_buffer = torch.zeros(2, dtype=torch.int64, device=self.device)
+        tag = _tag(self.call)
+        self._tag_buffer[0].fill_(tag)
+        self._tag_buffer[1].fill_(~tag)
+        return self._tag_buffer
+
+    def _same_call(self, tag_max: int, complement_max: int) -> None:
+        """max(tag) == ~max(~tag) iff every rank sent the same tag; otherwise find out who is where
+        (the error path: one gather of the tags and a store read per distinct call)."""
+        if tag_max == ~complement_max:
+            return
+        mine = torch.tensor([_tag(self.call)], dtype=torch.int64, device=self.device)
+        out = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
+        self._wait(_all_gather_single(out, mine, group=self.group, async_op=True))
+        self._mismatch([t for (t,) in self._read(out.view(-1, 1))])
+
+    def _mismatch(self, tags: list[int]) -> None:
+        """Every rank posts its call's text, then all read one text per distinct tag."""
+        self._mismatches += 1
+        key = f"call/{self._mismatches}"
+        self.post_cause(key, self.call)
+        self._wait(dist.barrier(group=self.group, async_op=True))
+        calls: dict[int, list[int]] = {}
+        for r, t in enumerate(tags):
+            calls.setdefault(t, []).append(r)
+        names = {t: self.read_cause(key, rs[0])[1] for t, rs in calls.items()}
+        listing = "; ".join(f"rank(s) {listed(rs)} in '{names[t]}'" for t, rs in calls.items())
+        raise CollectiveMismatch(
+            f"ranks reached the same guard collective through different guard calls: {listing}. "
+            "Every rank must call guard.step(), save_checkpoint() and resume() in the same order."
+        )
+
     # ------------------------------------------------------------------ collectives
 
     def all_gather_rows(
         self, row: torch.Tensor | Sequence[int], what: str | None = None
     ) -> list[list[int]]:
-        """Every rank's int64 row, in rank order. `what` names the round for the watchdog (None:
-        no arrival check, for rounds that follow another without user code in between)."""
-        if what is not None:
-            self.arrive(what)
+        """Every rank's int64 row, in rank order, with the call's tag appended (and checked) so
+        that ranks at different guard calls are named. `what` names the round in messages."""
         if isinstance(row, torch.Tensor):
             mine = row.reshape(-1).to(device=self.device, dtype=torch.int64)
         else:
             mine = torch.tensor(list(row), dtype=torch.int64, device=self.device)
+        mine = torch.cat([mine, self._tags()[:1]])
         out = torch.empty(self.world_size * mine.numel(), dtype=torch.int64, device=self.device)
         self._check(what or "all-gather", mine, out)
-        _all_gather_single(out, mine, group=self.group)
-        return self._read(out.view(self.world_size, -1))
+        self._wait(_all_gather_single(out, mine, group=self.group, async_op=True))
+        rows = self._read(out.view(self.world_size, -1))
+        tags = [r.pop() for r in rows]
+        if len(set(tags)) > 1:
+            self._mismatch(tags)
+        return rows
 
     def sum_and_max(
         self, sums: torch.Tensor, maxima: torch.Tensor, own: torch.Tensor
     ) -> tuple[list[int], list[int], list[int]]:
         """float64 sums and int64 maxima over every rank, read with this rank's `own` int64
         values in one device-to-host copy: the per-step fast path. Two all-reduces of a few
-        values cost O(log W) latency on tree algorithms, where the row gather costs O(W).
-        The sums come back as their float64 bit patterns (`verdicts.bits_to_float`)."""
+        values cost O(log W) latency on tree algorithms, where the row gather costs O(W); the
+        maxima carry the call's tag and its complement. The sums come back as their float64 bit
+        patterns (`verdicts.bits_to_float`)."""
         s = sums.reshape(-1).to(device=self.device, dtype=torch.float64)
-        m = maxima.reshape(-1).to(device=self.device, dtype=torch.int64)
+        m = torch.cat([maxima.reshape(-1).to(device=self.device, dtype=torch.int64), self._tags()])
         mine = own.reshape(-1).to(device=self.device, dtype=torch.int64)
         self._check("step fast path", s, m)
-        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        first = dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        second = dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._wait(first)
+        self._wait(second)
         (values,) = self._read(torch.cat([s.view(torch.int64), m, mine]).view(1, -1))
         n, k = s.numel(), m.numel()
-        return values[:n], values[n : n + k], values[n + k :]
+        self._same_call(values[n + k - 2], values[n + k - 1])
+        return values[:n], values[n : n + k - 2], values[n + k :]
 
     def all_max(self, values: torch.Tensor, what: str) -> list[int]:
         """The int64 maximum over every rank of each of `values`, in one all-reduce and one
         device-to-host copy (the vote's fast path: O(log W) where the row gather is O(W))."""
-        m = values.reshape(-1).to(device=self.device, dtype=torch.int64)
+        m = torch.cat([values.reshape(-1).to(device=self.device, dtype=torch.int64), self._tags()])
         self._check(what, m)
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
-        return self._read(m.view(1, -1))[0]
+        self._wait(dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        out = self._read(m.view(1, -1))[0]
+        self._same_call(out[-2], out[-1])
+        return out[:-2]
 
     def broadcast_ints(self, values: Sequence[int], what: str | None = None) -> list[int]:
         """Rank 0's values on every rank."""
-        if what is not None:
-            self.arrive(what)
         t = torch.tensor(list(values), dtype=torch.int64, device=self.device)
         self._check(what or "broadcast", t)
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast(t, src=src, group=self.group)
+        self._wait(dist.broadcast(t, src=src, group=self.group, async_op=True))
         return self._read(t.view(1, -1))[0]
 
     def failing_ranks(self, ok: bool, what: str | None = None) -> list[int]:
@@ -190,11 +289,8 @@ class Collective:
         return not self.failing_ranks(ok, what)
 
     def barrier(self, what: str) -> None:
-        """With the watchdog on, the arrival check is itself the barrier."""
-        if self.watchdog_seconds > 0:
-            self.arrive(what)
-        else:
-            dist.barrier(group=self.group)
+        """A barrier that carries the call's tag (a gather of one int)."""
+        self.all_gather_rows([0], what)
 
     def send(self, tensor: torch.Tensor, peer: int) -> dist.P2POp:
         """A send to `peer`, a rank of this collective's group, for `p2p`."""
@@ -214,7 +310,7 @@ class Collective:
             return
         self._check(what, *(op.tensor for op in ops))
         for work in dist.batch_isend_irecv(ops):
-            work.wait()
+            self._wait(work)
 
     # ------------------------------------------------------------------ agreement
 
@@ -266,103 +362,21 @@ class Collective:
                     return node, text
         return "node unknown", "no cause recorded"
 
-    # ------------------------------------------------------------------ watchdog
+    # ------------------------------------------------------------------ store rounds
 
     def arrive(self, what: str) -> None:
-        """Check in at a guard round and wait (at most `watchdog_seconds`) for every rank.
+        """A store round, for `Guard()`, `save_checkpoint()` and `resume()` only: every rank
+        checks in and waits for all, at most `watchdog_seconds` (`HangWatch.store_round`)."""
+        self.arm(what)
+        if self.watch is not None:
+            self.seq += 1
+            self.watch.store_round(self.seq, what, _tag(what))
 
-        `what` must be the same text on every rank for the same call ("step 12"): ranks that
-        arrive with different texts are reported as a mismatch at once. Per round and rank:
-        one store write, one counter increment, one wait and one read.
-        """
-        if self.watchdog_seconds <= 0 or self.store is None:
-            return
-        self.seq += 1
-        seq, world, store = self.seq, self.world_size, self.store
-        go = f"{seq}/go"
-        try:
-            store.set(f"at/{self.rank}", f"{seq}\t{self.node}\t{what}")
-            tag = _tag(what)
-            total = store.add(f"{seq}/n", _COUNT + tag)
-            if total // _COUNT == world:
-                # the last to arrive decides for everyone
-                if total % _COUNT == world * tag:
-                    store.compare_set(go, _EMPTY, "ok")
-                else:
-                    store.compare_set(go, _EMPTY, "mismatch\t" + self._mismatch(seq))
-                if seq > 1:  # every rank has read the previous round's answer by now
-                    store.delete_key(f"{seq - 1}/n")
-                    store.delete_key(f"{seq - 1}/go")
-            try:
-                store.wait([go], datetime.timedelta(seconds=self.watchdog_seconds))
-            except dist.DistStoreError as exc:
-                if "timeout" not in str(exc).lower():
-                    raise
-                store.compare_set(go, _EMPTY, "missing\t" + self._missing(seq, what))
-            answer = store.get(go).decode()
-        except (RuntimeError, dist.DistError) as exc:
-            raise CollectiveError(
-                f"rank {self.rank} ({self.node}) lost contact with the guard's key-value store "
-                f"(hosted by rank 0) at '{what}': the other ranks have most likely stopped; see "
-                f"rank 0's log ({exc})"
-            ) from None
-        kind, _, message = answer.partition("\t")
-        if kind == "ok":
-            return
-        self._linger(seq)
-        if kind == "mismatch":
-            raise CollectiveMismatch(message)
-        raise RanksMissing(message)
 
-    def _linger(self, seq: int) -> None:
-        """Rank 0 hosts the store: it stays a while so that late ranks can read why it stopped."""
-        store = self.store
-        assert store is not None
-        with contextlib.suppress(RuntimeError):
-            store.add(f"{seq}/ack", 1)
-            if self.rank != 0:
-                return
-            deadline = time.monotonic() + max(self.watchdog_seconds, LINGER_SECONDS)
-            while store.add(f"{seq}/ack", 0) < self.world_size and time.monotonic() < deadline:
-                time.sleep(0.05)
-
-    def _positions(self) -> dict[int, tuple[int, str, str]]:
-        """Where each rank last checked in: {rank: (round, node, what)}; error paths only."""
-        assert self.store is not None
-        out = {}
-        for r in range(self.world_size):
-            key = f"at/{r}"
-            if self.store.check([key]):
-                seq, node, what = self.store.get(key).decode().split("\t", 2)
-                out[r] = (int(seq), node, what)
-        return out
-
-    def _missing(self, seq: int, what: str) -> str:
-        positions = self._positions()
-        missing = [r for r in range(self.world_size) if positions.get(r, (0,))[0] < seq]
-        if not missing:  # everyone arrived meanwhile, but with different calls
-            return self._mismatch(seq)
-        where = "; ".join(
-            f"rank {r} ({positions[r][1]}) last at '{positions[r][2]}'"
-            if r in positions
-            else f"rank {r} never reached a guard round"
-            for r in missing[:LISTED]
-        )
-        return (
-            f"rank(s) {listed(missing)} did not reach '{what}' (guard round {seq}) within "
-            f"{self.watchdog_seconds:g} s ({where}). A rank stuck in data loading, user code or "
-            "I/O holds up every other; if a step can legitimately take longer, raise "
-            "GuardConfig.watchdog_seconds."
-        )
-
-    def _mismatch(self, seq: int) -> str:
-        positions = self._positions()
-        calls: dict[str, list[int]] = {}
-        for r, (s, _node, what) in sorted(positions.items()):
-            calls.setdefault(what if s == seq else f"(round {s}) {what}", []).append(r)
-        listing = "; ".join(f"rank(s) {listed(rs)} in '{w}'" for w, rs in calls.items())
-        return (
-            f"ranks reached guard round {seq} through different guard calls: {listing}. Every "
-            "rank must call guard.step(), save_checkpoint() and resume() in the same order "
-            "(never e.g. `if rank == 0: guard.save_checkpoint()`)."
-        )
+def _tcp_store(store: Store) -> Store | None:
+    """The store under the default store's prefixes, if it can open more clients (`clone`: a
+    TCPStore, or a Python store that wraps one, as the test that counts requests does)."""
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    tcp = dist.TCPStore  # type: ignore[attr-defined]
+    return store if isinstance(store, tcp) or "clone" in type(store).__dict__ else None

@@ -195,6 +195,7 @@ class GuardCore(StepCalls):
             corrupt_reduced=(
                 self.injector.corrupt_reduced if self.injector.corrupts_reduction else None
             ),
+            watch=self.comm.watch,
         )
         model.register_comm_hook(self.hook, guard_comm_hook)
         self.verifier = Verifier(
@@ -300,9 +301,9 @@ class GuardCore(StepCalls):
     def begin_step(self, batch: Any) -> StepPlan:
         """Before the step's first forward: arrival, capture for a replay, fresh gradients."""
         step = self.step_count
-        # Every rank must be here, at this step, before the first collective of the step (the
-        # DDP all-reduce in backward): a rank stuck elsewhere is named instead of waited for.
-        self.comm.arrive(f"step {step}")
+        # No store request: the hang watch names a rank stuck elsewhere if the step's
+        # collectives wait longer than watchdog_seconds, and the step's tag travels with them.
+        self.comm.arm(f"step {step}")
         if not self._settled:
             self._settle_buckets(batch)
         if self.abft is not None:
@@ -365,6 +366,7 @@ class GuardCore(StepCalls):
             if self.config.is_vote_step(plan.step):
                 self.vote(plan.step)
         self.step_count = plan.step + 1
+        self.comm.disarm()  # every entry point: user code until the next step is not watched
         # what a checkpoint saves: an eval or logging between this step and the save draws
         # from the RNG again after a resume, so the restored state must be the one before it
         self.rng_after_step = rng_state()

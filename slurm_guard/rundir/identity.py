@@ -7,7 +7,7 @@ not, or let ranks write to different places. Two checks catch that:
     identity.json                 the run's random id, written once by the first start; every
                                   later start and every save compares it (and the directory's
                                   device and inode) with what this start began with
-    .markers/<attempt>/rank-<r>   each rank writes one at start and counts the others'
+    .markers/<attempt>/node-<i>   each node's first rank writes one at start and counts the others'
 
 Both refuse with `RunDirError`, whose message says what to check and how to override.
 """
@@ -127,8 +127,11 @@ def check_unchanged(rd: RunDir, stamp: tuple[int, int, int, int], run_id: str) -
 # ---------------------------------------------------------------------- markers
 
 
-def marker_path(rd: RunDir, attempt: str, rank: int) -> Path:
-    return rd.markers_dir / attempt / f"rank-{rank}"
+def marker_path(rd: RunDir, attempt: str, node: int) -> Path:
+    """One marker per node, not per rank: W markers listed by W ranks were O(W^2) directory
+    entries served by the shared file server at every start; a node-local directory or a
+    missing mount is a property of the node, so its first rank checks for all of its ranks."""
+    return rd.markers_dir / attempt / f"node-{node}"
 
 
 def prepare_markers(rd: RunDir, attempt: str) -> None:
@@ -139,10 +142,10 @@ def prepare_markers(rd: RunDir, attempt: str) -> None:
     (rd.markers_dir / attempt).mkdir(parents=True, exist_ok=True)
 
 
-def write_marker(rd: RunDir, attempt: str, rank: int, run_id: str) -> str | None:
-    """Every rank: leave a marker; None on success, else why it could not."""
+def write_marker(rd: RunDir, attempt: str, node: int, run_id: str) -> str | None:
+    """Each node's first rank: leave the node's marker; None on success, else why not."""
     try:
-        path = marker_path(rd, attempt, rank)
+        path = marker_path(rd, attempt, node)
         path.write_text(run_id)
     except OSError as exc:
         return f"cannot write {rd.markers_dir / attempt} ({exc.strerror})"
@@ -152,8 +155,8 @@ def write_marker(rd: RunDir, attempt: str, rank: int, run_id: str) -> str | None
 MARKER_RETRIES_S = (0.5, 1.0, 2.0, 4.0)
 
 
-def markers_seen(rd: RunDir, attempt: str, world_size: int) -> int:
-    """How many of the ranks' markers this rank sees.
+def markers_seen(rd: RunDir, attempt: str, nodes: int) -> int:
+    """How many of the nodes' markers this rank sees.
 
     One directory listing when all is well. A listing can be stale on NFS (directory attribute
     caching), so a marker it misses is looked up by name, which a client does not answer from
@@ -165,18 +168,21 @@ def markers_seen(rd: RunDir, attempt: str, world_size: int) -> int:
         names = set(os.listdir(directory))
     except OSError:
         names = set()
-    missing = [r for r in range(world_size) if f"rank-{r}" not in names]
+    missing = [n for n in range(nodes) if f"node-{n}" not in names]
     for pause in (0.0, *MARKER_RETRIES_S):
         if not missing:
             break
         time.sleep(pause)
-        missing = [r for r in missing if not os.path.lexists(directory / f"rank-{r}")]
-    return world_size - len(missing)
+        missing = [n for n in missing if not os.path.lexists(directory / f"node-{n}")]
+    return nodes - len(missing)
 
 
-def markers_problem(seen: list[int], nodes: list[str], root: Path) -> str | None:
-    """The start-up error if some rank did not see every rank's marker, naming who."""
-    world = len(seen)
+def markers_problem(
+    seen: list[int], nodes: list[str], root: Path, expected: int | None = None
+) -> str | None:
+    """The start-up error if some rank did not see every marker (`expected`, default one per
+    rank of `seen`), naming who."""
+    world = len(seen) if expected is None else expected
     blind = [r for r, n in enumerate(seen) if n != world]
     if not blind:
         return None

@@ -1,7 +1,8 @@
 """Claiming the run directory at job start, and the run.json that describes this start.
 
 Rank 0 takes the lock (a second job on the directory is refused) and checks the run's identity;
-then every rank leaves a marker and must see every other rank's, which catches a node-local
+then the first rank of each node leaves a marker and must see every other node's (one per node:
+O(nodes^2) directory entries on the shared file server, not O(W^2)), which catches a node-local
 directory at start, not at the first resume. Kept apart from the Guard: it needs only the
 collective, the topology and the job's identity, and every failure reaches every rank.
 """
@@ -74,10 +75,17 @@ def open_run_dir(
             problem = str(exc)
     comm.share_problem(problem, "run directory lock and identity")
     run_id = ""
+    problem = None
+    names = topology.nodes
+    node_index = names.index(topology.node_of(rank))
+    first_on_node = rank == min(
+        r for r in range(world_size) if topology.node_of(r) == names[node_index]
+    )
     try:
         identity = read_json_file(run_dir.identity_file)
         run_id = str(identity["run_id"])
-        problem = write_marker(run_dir, attempt, rank, run_id)
+        if first_on_node:
+            problem = write_marker(run_dir, attempt, node_index, run_id)
     except (RecordError, KeyError, TypeError) as exc:
         problem = f"cannot read the run directory's identity ({exc})"
     if problem is not None:
@@ -86,12 +94,13 @@ def open_run_dir(
             "mounts at the same path"
         )
     comm.share_problem(problem, "run directory markers")
-    seen = markers_seen(run_dir, attempt, world_size)
+    # one marker per node, listed by one rank per node: O(nodes^2) directory entries, not O(W^2)
+    seen = markers_seen(run_dir, attempt, len(names)) if first_on_node else len(names)
     digest = int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:7], "big")
     rows = comm.all_gather_rows([seen, digest])
     seen_by = [int(r[0]) for r in rows]
     nodes = [topology.node_of(r) for r in range(world_size)]
-    problem = markers_problem(seen_by, nodes, run_dir.root)
+    problem = markers_problem(seen_by, nodes, run_dir.root, expected=len(names))
     if problem is None and len({int(r[1]) for r in rows}) > 1:
         problem = (
             f"the ranks read different identity.json files under {run_dir.root}: the "
