@@ -71,6 +71,9 @@ class Captured:
     # from the RNG between microbatches, e.g. to sample the next batch); None: one state for all
     micro_cpu_rng: torch.Tensor | None = None
     micro_cuda_rng: torch.Tensor | None = None
+    # exact mode, from `fast_path_world` ranks on: the owner's loss bits and gradient
+    # fingerprint (int64 [2]), so that its replayer compares them itself (`local_replay`)
+    claim: torch.Tensor | None = None
 
 
 def capture(batch: Batch) -> Captured:
@@ -144,6 +147,7 @@ def pack(captured: Captured) -> torch.Tensor:
         captured.reference,
         captured.micro_cpu_rng,
         captured.micro_cuda_rng,
+        captured.claim,
     ]
     present = [t is not None for t in extra]
     extra_tensors = [t for t in extra if t is not None]
@@ -179,7 +183,7 @@ def unpack(buffer: torch.Tensor, device: torch.device) -> Captured:
         tensors.append(t.to(device) if m["cuda"] else t)
     n = header["n_batch"]
     rest = iter(tensors[n:])
-    cpu_rng, cuda_rng, reference, micro_cpu, micro_cuda = (
+    cpu_rng, cuda_rng, reference, micro_cpu, micro_cuda, claim = (
         (next(rest).cpu() if p else None) for p in header["extra"]
     )
     assert cpu_rng is not None
@@ -190,6 +194,7 @@ def unpack(buffer: torch.Tensor, device: torch.device) -> Captured:
         reference=reference,
         micro_cpu_rng=micro_cpu,
         micro_cuda_rng=micro_cuda,
+        claim=claim,
     )
 
 

@@ -11,7 +11,6 @@ Guard decides what to do with the result, so the two modules do not import each 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ from slurm_guard.checks.consistency import (
     step_passes_fast,
 )
 from slurm_guard.checks.judging import RowJudge
+from slurm_guard.checks.local_replay import ReplayRing, RingReplay, ring_row_fields
 from slurm_guard.checks.replay import Captured, exchange
 from slurm_guard.checks.rows import (
     LOCAL_L1,
@@ -65,7 +65,7 @@ from slurm_guard.protocol import Check
 logger = logging.getLogger(__name__)
 
 
-class Verifier(RowJudge):
+class Verifier(RowJudge, ReplayRing):
     """Runs the collective checks of a guarded DDP job.
 
     Args:
@@ -108,6 +108,7 @@ class Verifier(RowJudge):
         self.calibration: list[float] = []  # worst discrepancy of each calibration step
         self.last_loss_bits = 0  # float64 bits of the last checked step's loss (OWN_LOSS)
         self.fast_steps = 0  # steps passed by the fast path, without the row gather
+        self.local_replays = 0  # replay steps passed by the replayers' own comparisons, likewise
         self.fast_votes = 0  # votes passed by one all-reduce, without the fingerprint gather
         # values every plain step sends (the row fields of no replay, the summary of no checked
         # GEMM), on the device: uploaded once, so that a plain step uploads nothing
@@ -196,6 +197,7 @@ class Verifier(RowJudge):
         local_l1 = total(hook.local_l1, device)
         reduced_parts = [hook.reduced_sketches[i] for i in sorted(hook.reduced_sketches)]
         reduced_sketch = total(reduced_parts, device)
+        sketches = (local_sketch, local_l1, reduced_sketch)
         # The row stays on the device until the gather: no host read of any value here.
         flags = torch.stack(
             [
@@ -203,55 +205,30 @@ class Verifier(RowJudge):
                 ~torch.isfinite(reduced_sketch),
             ]
         ).to(torch.int64)
+        # from fast_path_world ranks on, two all-reduces judge a passing step; rows attribute
+        fast = config.finite_check and self.world_size >= config.fast_path_world
         abft: torch.Tensor | None = None
-        if not verify and config.finite_check and self.world_size >= config.fast_path_world:
+        if not verify and fast:
             abft = self._abft_summary(device)
-            if self._fast_step_passes(flags, loss, local_sketch, local_l1, reduced_sketch, abft):
+            sums, highs, bound = self._fast_round(flags, loss, sketches, abft)
+            if step_passes_fast(sums, highs, self.world_size, bound):
                 self.fast_steps += 1
                 return StepResult(None, False)
-        own_grad, reduced_grad = 0, 0
-        replayed = Replayed()
-        owner = -1
+        what: str | None = None
+        ring: RingReplay | None = None
         key = f"replay/{step}/ring"
         if verify:
-            owner = self.topology.owner_of(self.rank)
-            pairs = [(o, self.topology.replayer[o]) for o in range(self.world_size)]
-            fp = self.fingerprinter
-            if config.deterministic:
-                local = [hook.local_fingerprints.get(i) for i in range(len(self.params))]
-                own_grad = as_int(
-                    fp.combine(
-                        f if f is not None else fp.tensor(torch.zeros_like(p))
-                        for f, p in zip(local, self.params, strict=True)
-                    )
-                )
-            else:
-                captured = dataclasses.replace(
-                    captured,
-                    reference=reference_vector(
-                        loss,
-                        [
-                            hook.local_fingerprints.get(
-                                i, torch.zeros(2, dtype=torch.float64, device=device)
-                            )
-                            for i in range(len(self.params))
-                        ],
-                    ),
-                )
-            received = exchange(pairs, captured, self.rank, self.comm)
-            reduced_grad = as_int(
-                fp.combine(
-                    fp.tensor(p.grad if p.grad is not None else torch.zeros_like(p))
-                    for p in self.params
-                )
-            )
-            replayed = self._replay(received[owner], key)
-        if verify:
-            middle, tail = replay_fields(own_grad, owner, replayed, reduced_grad)
-            middle_t, tail_t = (
-                upload(middle, torch.int64, device),
-                upload(tail, torch.int64, device),
-            )
+            ring = self._ring_replay(step, loss, captured, claim=fast)
+            captured = ring.captured
+            # the replay (user code) ran since the step's own arrival check
+            what = f"step {step}: verdicts"
+            if fast:
+                abft = self._abft_summary(device)
+                if self._passes_locally(step, flags, loss, sketches, abft, ring):
+                    return StepResult(None, False, verified=True)
+                what = None  # that round checked the arrival; the gather follows at once
+        if ring is not None:
+            middle_t, tail_t = ring_row_fields(ring, device)
         else:  # the values a step without replay always has, uploaded once
             middle_t, tail_t, _ = self._plain_constants(device)
         if abft is None:
@@ -269,8 +246,7 @@ class Verifier(RowJudge):
                 abft[1:].to(torch.int64),
             ]
         )
-        # On a verification step the replay (user code) ran since the step's own arrival check.
-        rows = self.comm.all_gather_rows(row, f"step {step}: verdicts" if verify else None)
+        rows = self.comm.all_gather_rows(row, what)
         # the step's loss, from the same read (the Guard returns it without a host sync of its own)
         self.last_loss_bits = rows[self.rank][OWN_LOSS]
         if verify:
@@ -304,13 +280,9 @@ class Verifier(RowJudge):
         finding = self._judge_replays(step, rows, captured)
         if finding is not None:
             return StepResult(finding, True)
-        detail: dict[str, object] = {"comparisons": self.world_size}
-        if not config.deterministic:
-            worst = max(bits_to_float(r[REPLAY_GRAD]) for r in rows)
-            detail.update(max_discrepancy=worst, tolerance=self.tolerance())
-            if len(self.calibration) < config.calibration_replays:
-                self.calibration.append(worst)
-        self.ledger(step, Check.REPLAY, True, detail)
+        tolerant = not config.deterministic
+        worst = max(bits_to_float(r[REPLAY_GRAD]) for r in rows) if tolerant else 0.0
+        self._replay_passed(step, worst)
         return StepResult(None, False, verified=True)
 
     def _plain_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -334,25 +306,27 @@ class Verifier(RowJudge):
                 return self.abft.summary(worst).to(device)
         return self._plain_constants(device)[2]
 
-    def _fast_step_passes(
+    def _fast_round(
         self,
         flags: torch.Tensor,
         loss: torch.Tensor,
-        local_sketch: torch.Tensor,
-        local_l1: torch.Tensor,
-        reduced_sketch: torch.Tensor,
+        sketches: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
         abft: torch.Tensor,
-    ) -> bool:
-        """A step without replay, judged from two all-reduces of a few values instead of the
-        gather of every rank's row (`verdicts.step_passes_fast`); False: gather and judge."""
+        extra: torch.Tensor | None = None,
+    ) -> tuple[list[float], list[int], float]:
+        """The fast path's two all-reduces of a few values instead of the gather of every
+        rank's row: (sums, maxima, conservation bound) for `verdicts.step_passes_fast`, or with
+        a replay step's `extra` maxima for `local_replay.replay_passes`."""
+        local_sketch, local_l1, reduced_sketch = sketches
         totals = torch.cat([flags.to(torch.float64), local_sketch.reshape(1), local_l1.reshape(1)])
         ratio = torch.nan_to_num(abft[0:1].to(torch.float64), nan=math.inf).clamp_min(0.0)
-        maxima = torch.cat([with_complements(bits(reduced_sketch)), bits(ratio)])
-        sum_bits, highs, own = self.comm.sum_and_max(totals, maxima, bits(loss))
+        maxima = [with_complements(bits(reduced_sketch)), bits(ratio)]
+        if extra is not None:
+            maxima.append(extra.to(ratio.device))
+        sum_bits, highs, own = self.comm.sum_and_max(totals, torch.cat(maxima), bits(loss))
         sums = [bits_to_float(b) for b in sum_bits]
         self.last_loss_bits = own[0]
-        bound = self._conservation_bound([sums[3]], world=self.world_size)
-        return step_passes_fast(sums, highs, self.world_size, bound)
+        return sums, highs, self._conservation_bound([sums[3]], world=self.world_size)
 
     def _conservation_bound(self, l1: list[float], world: int | None = None) -> float:
         """`verdicts.conservation_bound` for this step's buckets and gradient dtype."""

@@ -143,9 +143,19 @@ def as_int(fp: torch.Tensor) -> int:
     return lanes_to_int(fp.tolist())
 
 
+LANE_BITS = 31  # a lane is a residue mod PRIME = 2^31 - 1
+
+
 def lanes_to_int(lanes: Sequence[int]) -> int:
     """`as_int` of a fingerprint already read to the host (e.g. a row of a gather)."""
-    return (int(lanes[0]) << 31) | int(lanes[1])
+    return (int(lanes[0]) << LANE_BITS) | int(lanes[1])
+
+
+def as_word(fp: torch.Tensor) -> torch.Tensor:
+    """`as_int` without the host read: an int64 [1] on the fingerprint's device, so that a
+    replay step's fingerprints reach its collective without a device-to-host copy each."""
+    lanes = fp.reshape(-1).to(torch.int64)
+    return ((lanes[0] << LANE_BITS) | lanes[1]).reshape(1)
 
 
 def as_hex(fp: torch.Tensor) -> str:
