@@ -202,8 +202,9 @@ class ReplayRing:
                 upload(flags_and_distance, torch.int64, loss.device),
             ]
         )
-        # the replay (user code) ran since the step's own arrival check
-        self.comm.arrive(f"step {step}: verdicts")
+        # the replay (user code) ran since the step armed the hang watch: re-arm (no store
+        # request: a passing replay step makes none)
+        self.comm.arm(f"step {step}: verdicts")
         sums, highs, bound = self._fast_round(flags, loss, sketches, abft, extra)
         if not replay_passes(sums, highs, self.comm.world_size, bound):
             return False

@@ -252,7 +252,7 @@ class ShardedGuard(StepCalls):
         if isinstance(batch, Microbatches):
             raise GuardError("ShardedGuard takes one batch per step (no Microbatches yet)")
         step = self.step_count
-        self.comm.arrive(f"step {step}")
+        self.comm.arm(f"step {step}")  # the hang watch: no store request on the step path
         if self.abft is not None:
             self.abft.reset()
         self.injector.step = step
@@ -294,6 +294,7 @@ class ShardedGuard(StepCalls):
             if self.mesh.replicas > 1 and self.config.is_vote_step(plan.step):
                 self.vote(plan.step)
         self.step_count = plan.step + 1
+        self.comm.disarm()  # user code until the next step is not watched
         self.rng_after_step = rng_state()
 
     # ---------------------------------------------------------------- vote, alarms, records
