@@ -107,7 +107,7 @@ def train(
     dropout: float = 0.1,
     exit_on_alarm: bool = False,
 ) -> dict[str, Any]:
-    """One `trainer.fit` (resuming from what the guard trusts, by itself); the final state's hash."""
+    """One `trainer.fit` (resuming from what the guard trusts by itself); the final hash."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy

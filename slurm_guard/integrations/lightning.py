@@ -261,7 +261,8 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
                 with trainer.precision_plugin.train_step_context():
                     output = pl_module.training_step(micro["batch"], micro["batch_idx"])
         # the very division of Lightning's ClosureResult, so the bits match
-        return _loss_of(output) / trainer.accumulate_grad_batches
+        accumulation: int = trainer.accumulate_grad_batches
+        return _loss_of(output) / accumulation
 
     def on_train_batch_start(
         self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int
