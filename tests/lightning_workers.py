@@ -1,0 +1,204 @@
+"""Lightning runs for tests/test_integration_lightning.py, on real gloo processes (spawned).
+
+A small MLP LightningModule (dropout on, AdamW, a per-step LR schedule), random rows made from a
+fixed seed, 3 ranks, 2 microbatches per step, 3 steps per epoch (so a checkpoint every 3 steps
+falls on an epoch end, where Lightning resumes a plain DataLoader exactly): nothing downloaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import slurm_guard as sg
+
+WIDTH, CLASSES, ROWS, BATCH, ACCUMULATION = 16, 4, 36, 2, 2
+NAN_ROW = 7  # unshuffled, rank 1 reads rows 1, 4 | 7, 10: the second microbatch of step 0
+
+
+def _module(dropout: float) -> Any:
+    import lightning.pytorch as pl
+    import torch.nn.functional as F
+
+    class Net(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(WIDTH, 64),
+                torch.nn.ReLU(),
+                torch.nn.Dropout(dropout),
+                torch.nn.Linear(64, CLASSES),
+            )
+            self.grad_norms: list[float] = []
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            loss = F.cross_entropy(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            # after the guard's check and before Lightning clips: the true norm
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            self.grad_norms.append(
+                float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+            )
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=3e-2)
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return Net()
+
+
+def _data(nan: bool) -> Any:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(ROWS, WIDTH, generator=g)
+    y = torch.randint(0, CLASSES, (ROWS,), generator=g)
+    if nan:
+        x[NAN_ROW, 3] = float("nan")
+    data = torch.utils.data.TensorDataset(x, y)
+    return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
+
+
+def state_sha(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(model.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _reseed_like_the_guard() -> Any:
+    """For the run without the guard: the RNG of each step as GuardCallback(reseed=True) sets it."""
+    import lightning.pytorch as pl
+
+    from slurm_guard.integrations.lightning import _step_seed
+
+    class Reseed(pl.Callback):  # type: ignore[misc]
+        base = 0
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.base = torch.initial_seed()
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, i: int) -> None:
+            if i % trainer.accumulate_grad_batches == 0:
+                torch.manual_seed(_step_seed(self.base, trainer.global_step, dist.get_rank()))
+
+    return Reseed()
+
+
+def train(
+    out: str,
+    run_dir: str,
+    max_steps: int,
+    config: sg.GuardConfig | None = None,
+    *,
+    guarded: bool = True,
+    save_every: int = 0,
+    nan: bool = False,
+    dropout: float = 0.1,
+    exit_on_alarm: bool = False,
+) -> dict[str, Any]:
+    """One `trainer.fit` (resuming from what the guard trusts by itself); the final hash."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from slurm_guard.integrations.lightning import GuardCallback
+
+    # run_local made the process group; Lightning reads the launcher's variables
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "1")
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    pl.seed_everything(0, verbose=False)
+    model = _module(dropout)
+    callbacks: list[Any] = []
+    guard = None
+    if guarded:  # the three lines a user adds (the import is above)
+        guard = GuardCallback(run_dir, config, exit_on_alarm=exit_on_alarm)
+        callbacks.append(guard)
+    else:
+        callbacks.append(_reseed_like_the_guard())
+    if save_every:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=f"{out}/checkpoints",
+                every_n_train_steps=save_every,
+                save_top_k=-1,
+                save_last=True,
+            )
+        )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=dist.get_world_size(),
+        strategy=DDPStrategy(process_group_backend="gloo"),
+        max_steps=max_steps,
+        accumulate_grad_batches=ACCUMULATION,
+        gradient_clip_val=1.0,
+        default_root_dir=out,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=bool(save_every),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    exit_code = None
+    try:
+        trainer.fit(model, train_dataloaders=_data(nan))
+    except SystemExit as exc:  # exit_on_alarm: the process group is gone
+        exit_code = exc.code
+    chosen = guard.chosen if guard is not None else None
+    return {
+        "sha": state_sha(model),
+        "global_step": trainer.global_step,
+        "resumed_from": -1 if chosen is None else chosen.step,
+        "grad_norms": model.grad_norms,
+        "exit_code": exit_code,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"] if exit_code is None else None,
+    }
+
+
+def clean_and_nan(root: str) -> dict[str, Any]:
+    """A clean 9-step run, the same run without the guard, and a run with a NaN sample."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed")
+    clean = train(f"{root}/clean-out", f"{root}/clean-run", 9, config, save_every=3)
+    plain = train(f"{root}/plain-out", f"{root}/plain-run", 9, guarded=False)
+    try:
+        train(f"{root}/nan-out", f"{root}/nan-run", 3, config, nan=True)
+        nan: Any = None
+    except sg.SilentDataCorruption as exc:
+        nan = exc.alarm.to_json()
+    return {"clean": clean, "plain": plain, "nan": nan}
+
+
+def faulty(root: str) -> dict[str, Any]:
+    """A persistent gradient fault on node3 from step 4; a checkpoint every 3 steps; exit 86."""
+    fault = sg.Fault(kind="grad-scale", node="node3", step=4, persistent=True)
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", faults=(fault,))
+    return train(
+        f"{root}/fault-out", f"{root}/fault-run", 9, config, save_every=3, exit_on_alarm=True
+    )
+
+
+def resumed(root: str) -> dict[str, Any]:
+    """The requeued job (without the faulty node): resumes from what the guard trusts."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed")
+    return train(f"{root}/fault-out", f"{root}/fault-run", 9, config, save_every=3)
+
+
+def alarms(run_dir: str) -> list[dict[str, Any]]:
+    return [json.loads(p.read_text()) for p in sorted(Path(run_dir, "alarms").glob("*.json"))]
+
+
+def listing(path: str) -> list[str]:
+    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*.ckpt"))

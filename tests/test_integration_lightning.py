@@ -1,0 +1,88 @@
+"""GuardCallback on the real Lightning Trainer: 3 gloo ranks posing as 3 nodes, a small MLP.
+
+Skipped when lightning is not installed, unless SLURM_GUARD_REQUIRE_INTEGRATIONS=1 (CI), where
+its absence fails. Each test spawns real processes (tests/lightning_workers.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from slurm_guard.local import run_local
+
+HAVE = importlib.util.find_spec("lightning") is not None
+if not HAVE and os.environ.get("SLURM_GUARD_REQUIRE_INTEGRATIONS") == "1":
+    raise RuntimeError("SLURM_GUARD_REQUIRE_INTEGRATIONS=1 but lightning is missing")
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,
+    pytest.mark.skipif(not HAVE, reason="needs the [lightning] extra"),
+]
+
+NODES = ["node1", "node2", "node3"]
+
+
+def _run(fn: Any, root: Path) -> list[Any]:
+    return run_local(fn, 3, (str(root),), nodes=NODES, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    import lightning_workers
+
+    root = tmp_path_factory.mktemp("lightning")
+    outs = _run(lightning_workers.clean_and_nan, root)
+    assert all(o.status == "ok" for o in outs), [o.value for o in outs]
+    return {"root": root, "ranks": [o.value for o in outs]}
+
+
+def test_clean_run_with_accumulation_and_clipping_raises_no_alarm(clean: dict[str, Any]) -> None:
+    import lightning_workers
+
+    ranks = clean["ranks"]
+    assert len({r["clean"]["sha"] for r in ranks}) == 1
+    assert ranks[0]["clean"]["global_step"] == 9
+    assert lightning_workers.alarms(str(clean["root"] / "clean-run")) == []
+    # the norm before Lightning's clip is the run's without the guard, up to the last bits
+    # (the guard's comm hook sums in its own order); clipping had work to do
+    norms, plain = ranks[0]["clean"]["grad_norms"], ranks[0]["plain"]["grad_norms"]
+    assert len(norms) == len(plain) == 9 and max(norms) > 1.0
+    assert norms == pytest.approx(plain, rel=1e-5)
+    assert ranks[0]["clean"]["lr"] == ranks[0]["plain"]["lr"]  # the scheduler stepped 9 times
+    sealed = list((clean["root"] / "clean-out" / "checkpoints").glob("*.slurm-guard.json"))
+    assert len(sealed) >= 3  # step 3, 6, 9 and last.ckpt
+
+
+def test_a_nan_sample_stops_as_numerical(clean: dict[str, Any]) -> None:
+    alarm = clean["ranks"][0]["nan"]
+    # the NaN row is in rank 1's second microbatch of step 0: served, and caught there
+    assert alarm is not None and alarm["verdict"] == "numerical" and alarm["step"] == 0
+    assert alarm["evidence"]["nonfinite_ranks"] == [1] and alarm["suspect_nodes"] == []
+
+
+def test_persistent_fault_caught_on_its_node_exits_86_and_resume_skips_later_checkpoints(
+    clean: dict[str, Any], tmp_path: Path
+) -> None:
+    import lightning_workers
+
+    outs = _run(lightning_workers.faulty, tmp_path)
+    assert all(o.status == "ok" and o.value["exit_code"] == 86 for o in outs), [
+        o.value for o in outs
+    ]
+    (alarm,) = lightning_workers.alarms(str(tmp_path / "fault-run"))
+    assert alarm["verdict"] == "sdc" and alarm["suspect_nodes"] == ["node3"]
+    written = lightning_workers.listing(str(tmp_path / "fault-out"))
+    assert "checkpoints/epoch=1-step=6.ckpt" in written  # after the onset, before the catch
+    outs = _run(lightning_workers.resumed, tmp_path)
+    assert all(o.status == "ok" for o in outs), [o.value for o in outs]
+    value = outs[0].value
+    assert value["resumed_from"] <= 3 and value["global_step"] == 9
+    quarantined = tmp_path / "fault-out" / "slurm-guard-quarantine" / alarm["alarm_id"]
+    assert {"epoch=1-step=6.ckpt", "last.ckpt"} <= {p.name for p in quarantined.iterdir()}
+    # bit-identical to the uninterrupted clean run
+    assert value["sha"] == clean["ranks"][0]["clean"]["sha"]
