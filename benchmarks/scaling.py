@@ -308,14 +308,14 @@ def main() -> None:
     parser.add_argument(
         "--store-load",
         action="store_true",
-        help="rank 0's TCPStore load per guard round, N simulated ranks (store_load.py)",
+        help="rank 0's TCPStore load per guard round, N simulated ranks (_store_load.py)",
     )
     args = parser.parse_args()
     if args.store_load:
-        import store_load
+        import _store_load
 
         sizes = args.worlds or [64, 256, 1024, 2048]
-        results = store_load.main(sizes, args.rounds or 3)
+        results = _store_load.main(sizes, args.rounds or 3)
         write_json("scaling_store_load", {"store_load": results}, args.json)
         return
     worlds: list[int] = args.worlds or ([2, 4, 8] if args.quick else list(range(2, 9)))

@@ -72,8 +72,9 @@ class Guard(GuardCore):
                     self.scaled(loss).backward()  # type: ignore[no-untyped-call]
                 losses.append(loss.detach())
         except RuntimeError:
-            # a DDP all-reduce failed by the hang watch's verdict: raise that, not its echo
-            self.comm.raise_if_stopped()
+            # a DDP all-reduce failed (a peer gone, or stopped by the hang watch's verdict):
+            # raise the verdict, not this rank's echo of it
+            self.comm.raise_verdict_of_failure()
             raise
         result = self.finish_step(plan, losses)
         self.apply_update(plan, result)

@@ -58,6 +58,7 @@ T = TypeVar("T")
 
 _CAUSE_CHARS = 600  # an exception's text as other ranks see it (the failing rank logs it whole)
 _SLICE = datetime.timedelta(seconds=1)  # gloo waits this long between looks at the hang verdict
+_VERDICT_GRACE = 15.0  # the declarer collects positions for up to 10 s, then posts the verdict
 
 
 def _tag(text: str) -> int:
@@ -143,6 +144,13 @@ class Collective:
         if self.watch is not None:
             self.watch.raise_if_stopped(wait)
 
+    def raise_verdict_of_failure(self) -> None:
+        """After a collective failed (a peer closed its connection): the hang verdict comes
+        once this rank's deadline passes, so wait that long for it, then let the caller
+        re-raise the failure itself. Every rank then stops with the verdict that names the
+        missing rank, not with its own echo of the broken connection."""
+        self.raise_if_stopped(wait=self.watchdog_seconds + _VERDICT_GRACE)
+
     def _abort_backend(self, error: GuardError) -> None:
         """NCCL: aborting fails every pending collective (DDP's too), so a blocked rank raises
         the verdict. gloo's abort does not unblock one: there the waits are sliced instead."""
@@ -163,7 +171,7 @@ class Collective:
                 return
             except RuntimeError as exc:
                 if not _is_timeout(exc):
-                    self.raise_if_stopped(wait=60.0)
+                    self.raise_verdict_of_failure()
                     raise
                 self.watch.raise_if_stopped()
 

@@ -4,11 +4,12 @@ Each integration lives in its own module and imports its framework only when tha
 imported (`pip install 'slurm-guard[hf]'` or `'slurm-guard[lightning]'`); importing this
 package, `slurm_guard` or `slurm_guard.core` loads neither. The names below resolve lazily:
 
-- `GuardedTrainer` (`integrations.hf`): a drop-in `transformers.Trainer`.
+- `GuardedTrainer` (`integrations.hf`): a drop-in `transformers.Trainer`;
+- `GuardCallback` (`integrations.lightning`): a `lightning.pytorch` callback.
 
-The Lightning integration (issue 24) is not written yet. The HF one is built on the core's
-public step calls (`GuardCore.capture` / `check` / `after_update`) and ties the Trainer's own
-checkpoints to the guard's trust decision (`integrations._frameworks`). For a hand-written
+Both are built on the core's public step calls (`GuardCore.capture` / `check` /
+`after_update`) and tie the framework's own checkpoints to the guard's trust decision
+(`integrations._frameworks`). For a hand-written
 Accelerate loop see docs/integrations/.
 """
 
@@ -17,9 +18,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-_LAZY = {"GuardedTrainer": "slurm_guard.integrations.hf"}
+_LAZY = {
+    "GuardedTrainer": "slurm_guard.integrations.hf",
+    "GuardCallback": "slurm_guard.integrations.lightning",
+}
 
-__all__ = ["GuardedTrainer"]
+__all__ = ["GuardCallback", "GuardedTrainer"]
 
 
 def __getattr__(name: str) -> Any:

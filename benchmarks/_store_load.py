@@ -118,8 +118,8 @@ def main(worlds: list[int], rounds: int) -> dict[int, dict[str, dict[str, float]
     print("|---|---|---|---|")
     for world in worlds:
         code = (
-            "import json, os, sys, store_load\n"
-            f"print('RESULT ' + json.dumps(store_load.measure({world}, {rounds})), flush=True)\n"
+            "import json, os, sys, _store_load\n"
+            f"print('RESULT ' + json.dumps(_store_load.measure({world}, {rounds})), flush=True)\n"
             "os._exit(0)\n"
         )
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
