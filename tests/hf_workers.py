@@ -62,8 +62,13 @@ def train(
     save_steps: int = 0,
     nan_at: tuple[int, int] | None = None,
     accumulation: int = 2,
+    exit_on_alarm: bool | None = False,
 ) -> dict[str, Any]:
-    """One Trainer run (resuming from what the guard trusts); the final state's hash."""
+    """One Trainer run (resuming from what the guard trusts); the final state's hash.
+
+    `exit_on_alarm` is GuardedTrainer's `guard_exit_on_alarm`: False raises the alarm to the
+    caller (run_local reports it), None keeps the integration's default (exit 86 under Slurm).
+    """
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from slurm_guard.integrations.hf import GuardedTrainer
@@ -100,7 +105,7 @@ def train(
             train_dataset=data,
             guard_run_dir=run_dir,
             guard_config=config,
-            guard_exit_on_alarm=False,
+            guard_exit_on_alarm=exit_on_alarm,
         )
     else:
         trainer = Trainer(model=model, args=args, train_dataset=data)
