@@ -29,6 +29,9 @@ import torch.distributed as dist
 import slurm_guard as sg
 
 STEPS = 8
+FAULT_STEP = 5
+TRUSTED_STEP = 2
+"""The checkpoint-N the requeued job must resume from, by the resume rule (see `run`)."""
 RESULT_FILE = "hf-result.json"
 
 
@@ -36,12 +39,16 @@ def run(
     run_dir: str,
     out: str,
     fault_node: str | None = None,
-    fault_step: int = 0,
+    fault_step: int = FAULT_STEP,
     exit_on_alarm: bool | None = None,
 ) -> dict[str, Any]:
-    """8 Trainer steps, a replay every 3, a checkpoint-N after every step; optionally a
+    """8 Trainer steps, a replay every 2, a checkpoint-N after every step; optionally a
     persistent gradient fault on `fault_node` from `fault_step` (it stays with the node, as a
-    broken GPU does, so the requeued job without that node runs clean)."""
+    broken GPU does, so the requeued job without that node runs clean).
+
+    With the fault from step 5 the replays at 0, 2 and 4 pass and the one at 6 raises the
+    alarm; the default `trust_replays=2` then trusts `checkpoint-2`, the newest one two passing
+    replays vouch for, a real checkpoint to resume from rather than step 0."""
     import hf_workers
 
     # One thread per rank under srun as under run_local: Accelerate otherwise picks
@@ -51,7 +58,7 @@ def run(
     faults: tuple[sg.Fault, ...] = ()
     if fault_node:
         faults = (sg.Fault(kind="grad-scale", node=fault_node, step=fault_step, persistent=True),)
-    config = sg.GuardConfig(replay_every=3, schedule="fixed", faults=faults)
+    config = sg.GuardConfig(replay_every=2, schedule="fixed", faults=faults)
     return hf_workers.train(out, run_dir, STEPS, config, save_steps=1, exit_on_alarm=exit_on_alarm)
 
 
@@ -67,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="the Trainer's output_dir (checkpoint-N)")
     parser.add_argument("--fault-node", default=None, help="Slurm node name of the bad GPU")
-    parser.add_argument("--fault-step", type=int, default=4)
+    parser.add_argument("--fault-step", type=int, default=FAULT_STEP)
     args = parser.parse_args(argv)
     run_dir = os.environ[RUN_DIR_ENV]
     task = init_distributed_from_slurm()

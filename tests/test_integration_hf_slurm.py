@@ -2,7 +2,7 @@
 
 `slurm-guard submit` renders the real template for 3 of the 4 nodes (CPU, one task per node)
 with tests/hf_slurm_train.py as the training command: the real HF Trainer, a tiny GPT-2, a
-`checkpoint-N` after every step and a persistent gradient fault on node2 from step 4. The
+`checkpoint-N` after every step and a persistent gradient fault on node2 from step 5. The
 shipped EpilogSlurmctld is installed, as a site installs it; the template's in-job `recover`
 step shares its journal, so whichever comes first acts and nothing is done twice. The test
 follows the whole loop: the alarm names node2, node2 is drained with a readable reason, the job
@@ -76,7 +76,7 @@ def submit(run: Path, out: Path, state: Path) -> str:
     options += ["--job-name", "sg-hf", "--sbatch", "time=30"]
     result = CliRunner().invoke(main, ["submit", *options, "--", *command])
     assert result.exit_code == 0, result.output
-    return result.output.strip()
+    return result.stdout.strip()  # the "submitted job ..." note goes to stderr
 
 
 def checkpoints(folder: Path) -> set[int]:
@@ -102,6 +102,7 @@ def test_guarded_trainer_on_slurm_is_drained_requeued_and_resumed_bit_identicall
     (alarm,) = alarms
     assert alarm.verdict == "sdc" and list(alarm.suspect_nodes) == ["node2"]
     assert alarm.job_id == job and alarm.restart_count == 0
+    assert (alarm.step, alarm.last_verified_step) == (6, 4)  # replays at 0, 2, 4 passed
 
     # node2 drained, with a reason an admin can read
     reason = wait_for(
@@ -131,14 +132,14 @@ def test_guarded_trainer_on_slurm_is_drained_requeued_and_resumed_bit_identicall
     assert result["restart_count"] == 1 and "node2" not in result["nodes"]
     assert result["global_step"] == hf_slurm_train.STEPS
 
-    # resumed from the newest checkpoint saved before the fault began (step 4: its update
-    # made checkpoint-5); the ones written after it are in quarantine, never loaded
+    # resumed from checkpoint-2, which the passing replays at 2 and 4 vouch for (the default
+    # trust_replays=2); every newer one is in quarantine, never loaded, among them
+    # checkpoint-6, written after the faulty update of step 5
     resumed = result["resumed_from"]
-    assert resumed == 4, logs[-4000:]
+    assert resumed == hf_slurm_train.TRUSTED_STEP, logs[-4000:]
     quarantine = out / "slurm-guard-quarantine" / alarm.alarm_id
-    moved = checkpoints(quarantine)
-    assert 5 in moved and min(moved) == resumed + 1, moved
-    assert max(moved) >= alarm.step  # everything the first run wrote after the trusted one
+    assert checkpoints(quarantine) == set(range(resumed + 1, alarm.step + 1))
+    assert checkpoints(out) == set(range(1, hf_slurm_train.STEPS + 1))  # the rerun's own
 
     # bit-identical to the clean run
     assert result["sha"] == reference
