@@ -148,13 +148,15 @@ def clean_and_nan(root: str) -> dict[str, Any]:
 def faulty(root: str) -> dict[str, Any]:
     """A persistent gradient fault on node3 from step 4; a checkpoint after every step."""
     fault = sg.Fault(kind="grad-scale", node="node3", step=4, persistent=True)
-    config = sg.GuardConfig(replay_every=3, schedule="fixed", faults=(fault,))
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1, faults=(fault,))
     return train(f"{root}/fault-out", f"{root}/fault-run", 8, config, save_steps=1)
 
 
 def resumed(root: str) -> dict[str, Any]:
-    """The requeued job (without the faulty node): resumes from what the guard trusts."""
-    config = sg.GuardConfig(replay_every=3, schedule="fixed")
+    """The requeued job (without the faulty node): resumes from what the guard trusts, with
+    `trust_replays=1` checkpoint-3 (the passing replay at 3 vouches for it; the default 2 would
+    trust only step 0, and a start from scratch would hide a resume that is not bit-identical)."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1)
     return train(f"{root}/fault-out", f"{root}/fault-run", 8, config, save_steps=1)
 
 
