@@ -30,8 +30,9 @@ class GuardConfig:
         seed: fingerprint seed; None draws one per run (kept in run.json across restarts).
         faults: software faults to inject (testing and drills); SLURM_GUARD_INJECT adds more.
         settle_buckets: run one discarded forward/backward before the first step so DDP's
-            gradient buckets have their final layout from the first real step on. Needed for
-            bit-exact resume; costs one extra forward/backward per process start.
+            gradient buckets have their final layout from the first real step on (all-reduced
+            even inside a framework's `no_sync()`). Needed for bit-exact resume; costs one
+            extra forward/backward per process start.
         schedule: "fixed" replays every `replay_every`-th step; "random" replays each step with
             probability 1/replay_every, decided from the run's seed so every rank agrees. Same
             expected cost, but a one-off fault can no longer hide between predictable

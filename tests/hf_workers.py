@@ -62,8 +62,13 @@ def train(
     save_steps: int = 0,
     nan_at: tuple[int, int] | None = None,
     accumulation: int = 2,
+    exit_on_alarm: bool | None = False,
 ) -> dict[str, Any]:
-    """One Trainer run (resuming from what the guard trusts); the final state's hash."""
+    """One Trainer run (resuming from what the guard trusts); the final state's hash.
+
+    `exit_on_alarm` is GuardedTrainer's `guard_exit_on_alarm`: False raises the alarm to the
+    caller (run_local reports it), None keeps the integration's default (exit 86 under Slurm).
+    """
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
     from slurm_guard.integrations.hf import GuardedTrainer
@@ -100,7 +105,7 @@ def train(
             train_dataset=data,
             guard_run_dir=run_dir,
             guard_config=config,
-            guard_exit_on_alarm=False,
+            guard_exit_on_alarm=exit_on_alarm,
         )
     else:
         trainer = Trainer(model=model, args=args, train_dataset=data)
@@ -143,13 +148,15 @@ def clean_and_nan(root: str) -> dict[str, Any]:
 def faulty(root: str) -> dict[str, Any]:
     """A persistent gradient fault on node3 from step 4; a checkpoint after every step."""
     fault = sg.Fault(kind="grad-scale", node="node3", step=4, persistent=True)
-    config = sg.GuardConfig(replay_every=3, schedule="fixed", faults=(fault,))
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1, faults=(fault,))
     return train(f"{root}/fault-out", f"{root}/fault-run", 8, config, save_steps=1)
 
 
 def resumed(root: str) -> dict[str, Any]:
-    """The requeued job (without the faulty node): resumes from what the guard trusts."""
-    config = sg.GuardConfig(replay_every=3, schedule="fixed")
+    """The requeued job (without the faulty node): resumes from what the guard trusts, with
+    `trust_replays=1` checkpoint-3 (the passing replay at 3 vouches for it; the default 2 would
+    trust only step 0, and a start from scratch would hide a resume that is not bit-identical)."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1)
     return train(f"{root}/fault-out", f"{root}/fault-run", 8, config, save_steps=1)
 
 

@@ -264,6 +264,9 @@ class GuardCore(StepCalls):
         """
         first = batch[0] if isinstance(batch, Microbatches) else batch
         self.hook.active = False
+        # Inside a framework's no_sync() (the HF Trainer's first microbatch) DDP would record no
+        # gradient order from this pass, and a resumed run's first step would keep the old layout.
+        sync, self.ddp.require_backward_grad_sync = self.ddp.require_backward_grad_sync, True
         try:
             with preserved_state(self.module):
                 if self.abft is None:
@@ -272,6 +275,7 @@ class GuardCore(StepCalls):
                     coverage = measure_coverage(self.module, lambda: self.scaled(self.loss(first)))
                     self.abft_coverage = coverage.as_dict()
         finally:
+            self.ddp.require_backward_grad_sync = sync
             self.hook.active = True
             self.optimizer.zero_grad(set_to_none=True)
         self._settled = True
