@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from slurm_guard.core import stateful
 from slurm_guard.errors import GuardError
@@ -21,20 +21,40 @@ from slurm_guard.rundir.restore import load_checkpoint, record_rollback, resume_
 from slurm_guard.rundir.trust import CheckpointMeta
 
 if TYPE_CHECKING:
+    from slurm_guard.comm.collective import Collective
     from slurm_guard.core.session import GuardCore
 
 logger = logging.getLogger(__name__)
 
 
-def save_checkpoint(core: GuardCore) -> Path:
-    """Vote, then save atomically into run_dir/checkpoints/step-N (N = completed steps)."""
-    step = core.step_count
+class Voting(Protocol):
+    """What every guard (DDP's GuardCore, ShardedGuard) offers a save before it writes."""
+
+    comm: Collective
+    step_count: int
+    voted_at: int
+
+    def vote(self, step: int) -> None: ...
+
+
+def begin_save(guard: Voting) -> int:
+    """The start of every save: something to save, every rank here, the state voted on.
+
+    Returns the step count the checkpoint stands for.
+    """
+    step = guard.step_count
     if step == 0:
         raise GuardError("save_checkpoint() before the first step: nothing to save yet")
+    guard.comm.arrive(f"save_checkpoint() after {step} steps")
+    if guard.voted_at != step:
+        guard.vote(step - 1)
+    return step
+
+
+def save_checkpoint(core: GuardCore) -> Path:
+    """Vote, then save atomically into run_dir/checkpoints/step-N (N = completed steps)."""
+    step = begin_save(core)
     comm, rank = core.comm, core.rank
-    comm.arrive(f"save_checkpoint() after {step} steps")
-    if core.voted_at != step:
-        core.vote(step - 1)
     # What a restart can recompute from the saved files alone (buffers as saved).
     fingerprint = as_hex(core.fingerprinter.tensors(core.state_tensors()))
     # Never into a run directory that vanished or was replaced since the start (it would

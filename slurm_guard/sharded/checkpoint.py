@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from slurm_guard.core.checkpoints import begin_save
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint.tree import as_hex, lanes_to_int
 from slurm_guard.rundir import checkpoint as ckpt
@@ -81,13 +82,8 @@ def _state(guard: GuardState) -> dict[str, Any]:
 
 def save_checkpoint(guard: GuardState) -> Path:
     """Vote, then save atomically into run_dir/checkpoints/step-N (all ranks must call)."""
-    step = guard.step_count
-    if step == 0:
-        raise GuardError("save_checkpoint() before the first step: nothing to save yet")
+    step = begin_save(guard)
     comm, rank = guard.comm, guard.rank
-    comm.arrive(f"save_checkpoint() after {step} steps")
-    if guard.voted_at != step:
-        guard.vote(step - 1)
     lanes = guard.shard_fingerprint()
     rows = comm.all_gather_rows(lanes)  # every rank's shard fingerprint, for the seal
     shards = [f"{lanes_to_int(r):016x}" for r in rows]
