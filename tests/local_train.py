@@ -1,10 +1,14 @@
 """A guarded training script as a user writes one, for `slurm-guard local` (test_local_cli.py):
-gloo from env://, the device from LOCAL_RANK, faults only from SLURM_GUARD_INJECT."""
+gloo from env://, the device from LOCAL_RANK, faults only from SLURM_GUARD_INJECT.
+
+A third argument names a rank whose interpreter is slow to finalize (4 s in a `__del__` at
+module teardown), so that rank 0, the store's host, exits while that rank is finalizing."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -12,6 +16,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import slurm_guard as sg
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss
+
+
+class _SlowToFinalize:
+    def __del__(self) -> None:
+        time.sleep(4.0)
 
 
 def main(run_dir: str, steps: int) -> None:
@@ -33,3 +42,5 @@ def main(run_dir: str, steps: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
+    if len(sys.argv) > 3 and int(os.environ["RANK"]) == int(sys.argv[3]):
+        slow = _SlowToFinalize()  # a module global: collected while the interpreter finalizes

@@ -213,3 +213,21 @@ def test_a_step_makes_no_store_request(tmp_path: Path, fast_path_world: int) -> 
         value = o.value["value"]
         assert value["steps"] == [0, 0, 0, 0], value
         assert value["setup"] > 0 and value["save"] > 0, value
+
+
+@pytest.mark.distributed
+def test_a_rank_finalizing_when_the_store_host_exits_ends_cleanly(tmp_path: Path) -> None:
+    """Seen in CI (exit 134 after a clean run): rank 1's hang-watch listener sat in the
+    TCPStore's C++ wait while its interpreter finalized; rank 0, the store's host, exited, the
+    wait returned into the finalizing interpreter and the thread's forced unwind aborted the
+    process. Now every rank ends its own listener at exit (its own wake key). Rank 1 here takes
+    4 s to finalize, long after rank 0 has gone."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "local_train.py"
+    cmd = [sys.executable, "-m", "slurm_guard.cli", "local", "-n", "2", "--"]
+    cmd += [sys.executable, str(script), str(tmp_path), "3", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=HARD_TIMEOUT)
+    assert "terminate called" not in out.stderr, out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-3000:]

@@ -10,10 +10,15 @@ fact (NCCL's flight recorder). So does this module:
   calls so far. Arming it is an assignment; a plain step sends nothing to any store.
 - A timer thread watches the deadline (`watchdog_seconds` after the call was armed). Only when it
   passes does the rank talk to the store: it declares a hang under one key, `hang/<epoch>`.
-- A listener thread on every rank holds one blocking `wait` on that key (one outstanding request,
-  no polling, on its own connection). When it fires, every rank posts its position; the declarer
-  judges them (`judge`) and posts one verdict, which every listener reads: every rank then raises
-  the same `RanksMissing` or `CollectiveMismatch`, naming the ranks behind and where each was.
+- A listener thread on every rank holds one blocking `wait` on a key of its own,
+  `wake/<epoch>/<rank>` (one outstanding request, no polling, on its own connection); the
+  declarer sets every rank's key in one `multi_set`. The key is per rank so that a rank can wake
+  its own listener when it exits (`close`, at interpreter exit): a listener still blocked in the
+  store's C++ wait when the store's host goes away would return into a finalizing interpreter,
+  and the forced unwind of its thread aborts the process (exit 134 after a clean run).
+- When it fires, every rank posts its position; the declarer judges them (`judge`) and posts one
+  verdict, which every listener reads: every rank then raises the same `RanksMissing` or
+  `CollectiveMismatch`, naming the ranks behind and where each was.
 - The main thread may be blocked in a collective when the verdict comes. Guard collectives on
   gloo wait with a timeout and look at the verdict between waits; the DDP bucket all-reduce's
   future (the comm hook's) is failed with the verdict's text (`track`); on NCCL the backend is
@@ -26,6 +31,7 @@ the next epoch; the declarer's deadline starts again.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import logging
@@ -55,6 +61,8 @@ COLLECT_SECONDS = 10.0  # the declarer waits this long for every rank's position
 PROBE_SECONDS = 5.0  # a store round this slow asks every rank where it is (a mismatch stops it)
 _COUNT = 1 << 40  # a store round's counter adds COUNT + tag: arrivals above, tag sum below
 _FOREVER = datetime.timedelta(hours=24)  # the listener's wait, renewed when it runs out
+CLOSE_SECONDS = 5.0  # at exit, how long to wait for this rank's listener to leave the store
+_EXIT = "exit"  # the value a rank sets on its own wake key to end its listener
 
 
 class Position(NamedTuple):
@@ -155,10 +163,34 @@ class HangWatch:
         self.error: GuardError | None = None
         self._verdict_epoch = -1
         self._futures: list[torch.futures.Future[torch.Tensor]] = []
-        for target in (self._listener, self._timer):
-            threading.Thread(
-                target=target, name=f"slurm-guard-{target.__name__}", daemon=True
-            ).start()
+        self._closing = False
+        self._threads = [
+            threading.Thread(target=target, name=f"slurm-guard-{target.__name__}", daemon=True)
+            for target in (self._listener, self._timer)
+        ]
+        for thread in self._threads:
+            thread.start()
+        # atexit runs while threads still run, before the interpreter starts finalizing
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End both threads (at interpreter exit, or when the group is done with): the timer at
+        once, the listener by waking it through its own key. Waits at most `CLOSE_SECONDS`; a
+        listener that is gone already (its store's host exited) costs nothing."""
+        with self._cv:
+            if self._closing:
+                return
+            self._closing = True
+            epoch = self._epoch
+            self._cv.notify_all()
+        listener = self._threads[0]
+        if listener.is_alive():
+            with contextlib.suppress(RuntimeError, dist.DistError):
+                self._talk.set(f"wake/{epoch}/{self.rank}", _EXIT)
+        deadline = time.monotonic() + CLOSE_SECONDS
+        for thread in self._threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        atexit.unregister(self.close)
 
     # ------------------------------------------------------------------ main thread
 
@@ -210,6 +242,8 @@ class HangWatch:
         try:
             won = talk.compare_set(f"hang/{epoch}", "", mine).decode() == mine
             if won:
+                wake = [f"wake/{epoch}/{r}" for r in range(self.world)]
+                talk.multi_set(wake, [mine] * self.world)  # type: ignore[attr-defined]
                 # Posted here, not by this rank's listener: a TCPStore client serves one request
                 # at a time, so the listener's `set` on `_talk` would queue behind the `wait`
                 # below until it times out, and this rank would be judged as not answering.
@@ -283,10 +317,12 @@ class HangWatch:
     def _timer(self) -> None:
         while True:
             with self._cv:
-                while self.error is None and time.monotonic() < self._deadline:
+                while (
+                    self.error is None and not self._closing and time.monotonic() < self._deadline
+                ):
                     left = self._deadline - time.monotonic()
                     self._cv.wait(min(left, 3600.0))
-                if self.error is not None:
+                if self.error is not None or self._closing:
                     return
                 self._deadline = math.inf
             self.declare("deadline")
@@ -299,12 +335,14 @@ class HangWatch:
         try:
             while True:
                 try:
-                    self._listen.wait([f"hang/{epoch}"], _FOREVER)
+                    self._listen.wait([f"wake/{epoch}/{self.rank}"], _FOREVER)
                 except dist.DistStoreError as exc:
                     if _is_timeout(exc):
                         continue
                     raise
                 with self._cv:
+                    if self._closing:
+                        return
                     here = Position(self.seq, self.armed, self.node, self.what)
                 self._talk.set(f"pos/{epoch}/{self.rank}", encode(here))
                 key = f"verdict/{epoch}"
@@ -315,6 +353,8 @@ class HangWatch:
                     with self._cv:
                         self._epoch = epoch
                         self._cv.notify_all()
+                        if self._closing:  # `close` woke the previous epoch's key: too late
+                            return
                     continue
                 error: GuardError = (
                     CollectiveMismatch(message) if kind == "mismatch" else RanksMissing(message)
