@@ -362,3 +362,24 @@ def test_the_lock_of_a_dead_job_on_another_node_is_taken_over(launched: dict[str
     lock = RunDir(launched["base"] / "stale-lock-other-node").lock_file
     # taken over, then removed when the job's processes exited normally
     assert not lock.exists() or "othernode" not in lock.read_text()
+
+
+def test_rank_zero_creates_a_missing_run_dir_but_never_a_missing_parent(tmp_path: Path) -> None:
+    """Scripts create their output directory on rank 0 alone, with no barrier before the
+    Guard (nanoGPT's `out_dir`): rank 0 creates the last part of the path. A missing parent (a
+    typo) is still refused, and so is a directory that only rank 0 can see (node-local disk,
+    posed here as a path per rank), on every rank alike."""
+    cases = [
+        {"run_dir": str(tmp_path / "new"), "steps": 2},
+        {"run_dir": str(tmp_path / "typo" / "run"), "steps": 2},
+        {"run_dir": str(tmp_path / "local-disk-{rank}"), "steps": 2},
+    ]
+    created, typo, local = per_case(run_local(run_cases, 3, args=(cases,), nodes=NODES))
+    assert all(r.get("error") is None for r in created), created
+    assert (tmp_path / "new" / "run.json").is_file()
+    assert not (tmp_path / "typo").exists()
+    same_error(
+        typo, "run directory check failed on rank 0", "does not exist", "(also on rank(s) 1, 2)"
+    )
+    same_error(local, "run directory check failed on rank 1 (node2)", "(also on rank(s) 2)")
+    assert (tmp_path / "local-disk-0").is_dir() and not (tmp_path / "local-disk-1").exists()

@@ -71,8 +71,8 @@ from slurm_guard.core.calls import NO_SYNC, StepCalls, StepPlan
 from slurm_guard.core.setup import (
     agree_on_seed,
     announce_faults,
-    check_run_dir,
     check_same_setup,
+    prepare_run_dir,
     warn_small_world,
 )
 from slurm_guard.core.state import ReplicatedState
@@ -141,7 +141,7 @@ class GuardCore(StepCalls):
         )
         if not self.params:
             raise GuardError("the model has no trainable parameters: there is nothing to guard")
-        self.comm.agree(lambda: check_run_dir(self.run_dir.root), "run directory check")
+        prepare_run_dir(self.comm, self.run_dir.root)
         self.topology = Topology.build(gather_rank_infos(me, comm=self.comm))
         warn_small_world(self.topology, self.rank)
         # Before the seed and the checks: everything after writes into this directory.

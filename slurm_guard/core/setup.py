@@ -175,6 +175,22 @@ def announce_faults(faults: Sequence[Fault], topology: Topology, rank: int, from
             )
 
 
+def prepare_run_dir(comm: Collective, path: Path) -> None:
+    """Rank 0 creates the run directory when only its last part is missing, as training
+    scripts create their output directory on rank 0 alone (nanoGPT's `out_dir`), with no
+    barrier before the Guard; then every rank checks it (`check_run_dir`). A missing parent is
+    still an error (a typo), and a directory that rank 0 made on its own node's disk fails the
+    check on every other node."""
+
+    def create() -> None:
+        if comm.rank == 0 and not path.exists() and path.parent.is_dir():
+            with contextlib.suppress(FileExistsError):
+                path.mkdir()
+
+    comm.agree(create, "run directory creation")
+    comm.agree(lambda: check_run_dir(path), "run directory check")
+
+
 def check_run_dir(path: Path) -> None:
     """Raises GuardError when `path` is not a writable directory (run on every rank)."""
     try:
@@ -187,7 +203,8 @@ def check_run_dir(path: Path) -> None:
     if not exists:
         raise GuardError(
             f"run directory {path} does not exist; create it on a filesystem shared by all "
-            "nodes (not node-local disk) and pass its path"
+            "nodes (not node-local disk) and pass its path (the guard creates only its last "
+            "part, on rank 0)"
         )
     if not is_dir:
         raise GuardError(f"run directory {path} is not a directory")
