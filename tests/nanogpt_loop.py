@@ -3,6 +3,10 @@
 a cosine LambdaLR with warmup and a best-val-loss holder in `stateful`, eval then save then
 train, a disabled GradScaler, batches from the global RNG.
 
+With NANOGPT_KEEP_LOOP=1 it is the other port of that section: nanoGPT's own loop kept
+(`require_backward_grad_sync`, `clip_grad_norm_`, `scaler.step`) around `capture` / `check` /
+`after_update`.
+
 Usage: nanogpt_loop.py RUN_DIR RESULTS_DIR MAX_ITERS [NAN_STEP NAN_RANK]. Each rank writes its
 losses and final weights to RESULTS_DIR/rank-<r>.pt when the run ends, by an alarm too.
 """
@@ -29,6 +33,7 @@ gradient_accumulation_steps, batch_size, block_size, vocab_size = 2, 4, 8, 64
 learning_rate, min_lr, warmup_iters, lr_decay_iters = 1e-2, 1e-3, 3, 12
 grad_clip = 1.0
 dtype = "float32"
+keep_loop = os.environ.get("NANOGPT_KEEP_LOOP") == "1"
 
 dist.init_process_group("gloo")
 ddp_rank = int(os.environ["RANK"])
@@ -106,7 +111,9 @@ def estimate_loss() -> dict[str, float]:
     return out
 
 
-config = sg.GuardConfig(replay_every=2, vote_every=2, max_grad_norm=grad_clip)
+config = sg.GuardConfig(
+    replay_every=2, vote_every=2, max_grad_norm=None if keep_loop else grad_clip
+)
 guard = sg.Guard(
     model, optimizer, loss_fn, out_dir, scaler=scaler, config=config,
     stateful={"lr_scheduler": sched, "best": best},
@@ -115,6 +122,25 @@ iter_num = guard.resume()
 losses_seen: dict[int, float] = {}
 grad_norms: dict[int, torch.Tensor] = {}  # guard.last_grad_norm: no host sync in the loop
 before: list[torch.Tensor] = []
+
+
+def own_loop_step(micro: list[dict[str, Any]]) -> float:
+    """nanoGPT's step as it is, with the guard's four calls around it."""
+    losses = []
+    for micro_step, batch in enumerate(micro):
+        guard.capture(batch)
+        model.require_backward_grad_sync = micro_step == len(micro) - 1
+        loss = loss_fn(model, batch)
+        scaler.scale(loss).backward()
+        losses.append(loss)
+    guard.check(losses)
+    scaler.unscale_(optimizer)
+    grad_norms[iter_num] = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    guard.after_update()
+    return float(sum(loss.detach() for loss in losses))
 
 
 def write_result(**extra: Any) -> None:
@@ -146,9 +172,12 @@ with sg.exit_on_alarm():
             if nan_at == (iter_num, ddp_rank):
                 micro[1]["weight"] = torch.tensor(float("nan"))
             before = [p.detach().clone() for p in raw_model.parameters()]  # for the test only
-            losses_seen[iter_num] = guard.step(sg.Microbatches(micro))
-            if guard.last_grad_norm is not None:
-                grad_norms[iter_num] = guard.last_grad_norm
+            if keep_loop:
+                losses_seen[iter_num] = own_loop_step(micro)
+            else:
+                losses_seen[iter_num] = guard.step(sg.Microbatches(micro))
+                if guard.last_grad_norm is not None:
+                    grad_norms[iter_num] = guard.last_grad_norm
             sched.step()
             iter_num += 1
     except sg.SilentDataCorruption as exc:  # the test's record; exit_on_alarm then exits 86

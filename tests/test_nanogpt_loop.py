@@ -20,9 +20,12 @@ ITERS = 12  # eval and save at 3, 6, 9
 FAULT = "kind=grad-scale,node=node2,step=7,persistent=1,param=3"
 
 
-def _launch(run_dir: Path, results: Path, *extra: str, inject: str | None = None) -> int:
+def _launch(
+    run_dir: Path, results: Path, *extra: str, inject: str | None = None, keep_loop: bool = False
+) -> int:
     env = dict(os.environ)
     env.pop("SLURM_GUARD_INJECT", None)
+    env["NANOGPT_KEEP_LOOP"] = "1" if keep_loop else "0"
     if inject is not None:
         env["SLURM_GUARD_INJECT"] = inject
     cmd = [sys.executable, "-m", "slurm_guard.cli", "local", "-n", "3", "--grace", "60", "--"]
@@ -43,21 +46,24 @@ def _alarm(run_dir: Path) -> dict[str, Any]:
     return alarm
 
 
+@pytest.mark.parametrize("keep_loop", [False, True], ids=["guard-step", "own-loop"])
 def test_a_persistent_fault_is_caught_on_node2_and_the_resume_is_bit_identical(
-    tmp_path: Path,
+    tmp_path: Path, keep_loop: bool
 ) -> None:
-    assert _launch(tmp_path / "clean", tmp_path / "clean-out") == 0
+    """guard-step: the loop through `guard.step`; own-loop: nanoGPT's loop kept, the guard
+    called around it (capture / check / after_update), its own clipping and scaler step."""
+    assert _launch(tmp_path / "clean", tmp_path / "clean-out", keep_loop=keep_loop) == 0
     clean = _results(tmp_path / "clean-out")
     assert max(clean[0]["grad_norms"].values()) > 1.0, "max_grad_norm=1.0 never clipped"
 
     hit = tmp_path / "hit"
-    assert _launch(hit, tmp_path / "hit-out", inject=FAULT) == 86
+    assert _launch(hit, tmp_path / "hit-out", inject=FAULT, keep_loop=keep_loop) == 86
     alarm = _alarm(hit)
     assert alarm["verdict"] == "sdc" and alarm["step"] >= 7, alarm["message"]
     assert (alarm["suspect_ranks"], alarm["suspect_nodes"]) == ([1], ["node2"])
     assert not alarm["update_applied"]
 
-    assert _launch(hit, tmp_path / "resumed-out") == 0
+    assert _launch(hit, tmp_path / "resumed-out", keep_loop=keep_loop) == 0
     resumed = _results(tmp_path / "resumed-out")
     start = min(resumed[0]["losses"])
     assert 0 < start <= 7, start
