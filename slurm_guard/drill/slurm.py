@@ -33,10 +33,12 @@ class SlurmDrillOptions:
             EpilogSlurmctld, already installed; the drill only watches).
         state_dir: the controller's state directory; share the epilog's.
         keep_drained: leave the drained node drained (default: return it to service).
+        sharded: the tiny Llama under HSDP and ShardedGuard (4 tasks on `nodes` nodes).
     """
 
     nodes: int = 3
     steps: int = 30
+    sharded: bool = False
     via: str = "submitit"
     controller: str = "in-job"
     state_dir: Path = DEFAULT_STATE_DIR

@@ -303,6 +303,10 @@ class ShardedGuard(StepCalls):
         """This rank's parameter and optimizer-state shards, fingerprinted (lanes, no host read)."""
         return self.fingerprinter.tensors(local_state(self.model, self.optimizer))
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards of what the replica groups hold alike (for `result.json`)."""
+        return local_state(self.model, self.optimizer)
+
     def vote(self, step: int) -> None:
         """The shard vote on the state after `step`'s update (nothing to compare without
         replica groups: FSDP2 alone keeps one copy of each shard)."""
