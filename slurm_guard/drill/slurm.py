@@ -9,18 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from slurm_guard.drill.stages import (
-    FAULT_SPEC,
     DrillError,
     DrillReport,
     Echo,
     Recorder,
     StageFailed,
     check,
+    drill_fault,
     make_work_dir,
     short_digest,
 )
 from slurm_guard.protocol import DEFAULT_STATE_DIR
 from slurm_guard.slurm.polling import poll
+
+SHARDED_TASKS = 4
 
 
 @dataclass(frozen=True)
@@ -56,29 +58,37 @@ def _submit(opts: SlurmDrillOptions, settings: Any, run_dir: Path, client: Any) 
     from slurm_guard.slurm.launch import default_train_command, launch, render_sbatch
 
     in_job = opts.controller == "in-job"
+    # Sharded: 4 tasks (2 replica groups x 2 shards) on 3 or 4 nodes; Slurm's block layout puts
+    # ranks 0 and 1 together on 3 nodes, so rank 3, where the fault goes, is alone on its node.
+    tasks = {"ntasks": str(SHARDED_TASKS)} if opts.sharded else {}
+    per_node = 2 if opts.sharded else None
     if opts.via == "submitit":
         job = launch(
             slurm_task,
             settings,
             nodes=opts.nodes,
+            tasks_per_node=per_node,
             run_dir=run_dir,
             in_job_recovery=in_job,
             state_dir=str(opts.state_dir),
             job_name=f"sg-drill-{run_dir.name}",
             time=30,
-            additional_parameters={"requeue": True, **dict(opts.sbatch_options)},
+            additional_parameters={"requeue": True, **tasks, **dict(opts.sbatch_options)},
         )
         return str(job.job_id)
     args = ["--run-dir", str(run_dir), "--steps", str(settings.steps)]
     if settings.inject:
         args += ["--inject", settings.inject]
+    if settings.sharded:
+        args.append("--sharded")
     script = render_sbatch(
         run_dir=run_dir,
         nodes=opts.nodes,
+        tasks_per_node=per_node,
         train_command=default_train_command(args),
         job_name=f"sg-drill-{run_dir.name}",
         state_dir=str(opts.state_dir),
-        sbatch_options={"time": "30", **dict(opts.sbatch_options)},
+        sbatch_options={"time": "30", **tasks, **dict(opts.sbatch_options)},
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "job.sbatch"
@@ -127,14 +137,20 @@ def run_slurm_drill(
         )
     if opts.nodes < 3:
         raise DrillError("the drill needs --nodes >= 3: attributing a fault takes two witnesses")
+    if opts.sharded and opts.nodes > SHARDED_TASKS:
+        raise DrillError(
+            f"the sharded drill runs {SHARDED_TASKS} tasks: give --nodes 3 or {SHARDED_TASKS}"
+        )
     if client is None:
         from slurm_guard.slurm.client import default_client
 
         client = default_client()
     work = make_work_dir(work_dir, "slurm-guard-drill-")
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    what = f", HSDP 2x2 ({SHARDED_TASKS} tasks), ShardedGuard" if opts.sharded else ""
     report = DrillReport(
-        f"slurm-guard drill: {opts.nodes}-node job via {opts.via}, controller {opts.controller}",
+        f"slurm-guard drill: {opts.nodes}-node job{what} via {opts.via}, "
+        f"controller {opts.controller}",
         work,
     )
     echo(report.title)
@@ -142,8 +158,11 @@ def run_slurm_drill(
     rec = Recorder(report, echo)
     began = time.monotonic()
     clean_dir, faulty_dir = work / f"clean-{stamp}", work / f"faulty-{stamp}"
-    clean = TrainSettings(run_dir=str(clean_dir), steps=opts.steps)
-    faulty = TrainSettings(run_dir=str(faulty_dir), steps=opts.steps, inject=FAULT_SPEC)
+    fault_spec, _ = drill_fault(opts.sharded)
+    clean = TrainSettings(run_dir=str(clean_dir), steps=opts.steps, sharded=opts.sharded)
+    faulty = TrainSettings(
+        run_dir=str(faulty_dir), steps=opts.steps, inject=fault_spec, sharded=opts.sharded
+    )
     try:
         with rec.stage("cluster has room for the drill") as d:
 
