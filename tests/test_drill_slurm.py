@@ -136,3 +136,18 @@ def test_sharded_drill_via_submitit_with_the_epilog_as_controller(
     assert len(meta["shard_fingerprints"]) == 4 and "__3_0.distcp" in meta["files"]
     result = read_result(faulty)
     assert result is not None and suspect not in result["nodes"] and len(result["nodes"]) == 4
+
+
+def test_sharded_drill_via_sbatch_template_with_in_job_recovery(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The same through the sbatch template (`examples.train --sharded`, `--ntasks=4`) and its
+    in-job `slurm-guard recover` step."""
+    state, work = tmp_path / "state", tmp_path / "work"
+    out = drill(
+        work, state, "--sharded", "--via", "sbatch", "--controller", "in-job", "--timeout", "240"
+    )
+    (faulty,) = work.glob("faulty-*")
+    suspect = json.loads((faulty / "injected-fault.json").read_text())["nodes"][3]
+    assert f"controller (in-job) drains exactly {suspect}" in out
+    check_history(work, state, suspect)
