@@ -24,10 +24,10 @@ FAULT_SPEC = "kind=grad-scale,node=@rank1,step=17,persistent=1,param=10"
 so the alarm comes at 20, the last verified step is 15 and the trusted checkpoint is step 10."""
 
 SHARDED_FAULT_SPEC = "kind=grad-scale,node=@rank3,step=17,persistent=1,param=0"
-"""The same schedule for the sharded drill (HSDP, 2 replica groups x 2 shards): `param` counts
-reduce-scatters (0: the first block's), and rank 3 is the one alone on its node when Slurm puts
-4 tasks on 3 nodes (block distribution: ranks 0 and 1 share the first), so the suspect is one
-GPU and its node is named."""
+"""The same schedule for the sharded drill (HSDP, 2 replica groups x 2 shards). `param` counts
+the reduce-scatters of a backward (0: the first, the last block's). Rank 3 is the one alone on
+its node when Slurm puts 4 tasks on 3 nodes (block layout: ranks 0 and 1 share the first), so
+the fault is one GPU's and its node can be named."""
 
 
 def drill_fault(sharded: bool) -> tuple[str, int]:
