@@ -210,8 +210,15 @@ def run_slurm_drill(
             alarms, errors = rd.alarms()
             check(not errors and len(alarms) == 1, f"alarms {alarms}, errors {errors}")
             alarm = alarms[0]
-            fault_node = str(read_json_file(faulty_dir / FAULT_FILE)["spec"]).split("node=")[1]
-            fault_node = fault_node.split(",")[0]
+            injected = read_json_file(faulty_dir / FAULT_FILE)
+            fault_node = str(injected["spec"]).split("node=")[1].split(",")[0]
+            placed = list(injected.get("nodes") or [])
+            check(
+                not opts.sharded or placed.count(fault_node) == 1,
+                f"ranks on nodes {placed}: rank 3 shares {fault_node} with another rank (the "
+                "site's task layout is not Slurm's block default?), so the fault hits a whole "
+                "replica group and cannot be attributed; the sharded drill needs rank 3 alone",
+            )
             check(alarm.verdict == "sdc", f"verdict {alarm.verdict}")
             check(
                 list(alarm.suspect_nodes) == [fault_node],
