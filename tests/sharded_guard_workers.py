@@ -1,7 +1,8 @@
 """ShardedGuard training on gloo for tests (spawned processes import this module).
 
 A tiny Llama-like model sharded with fully_shard per block and on the root, on a 2x2 HSDP mesh
-(2 replica groups x 2 shards) or a 1-D FSDP mesh; every rank trains on its own microbatch.
+(2 replica groups x 2 shards), a 3x2 one (3 replica groups of 2 shards) or a 1-D FSDP mesh;
+every rank trains on its own microbatch.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def train(
     steps: int,
     *,
     hsdp: bool = True,
+    replicas: int = 2,
     config: dict[str, Any] | None = None,
     faults: tuple[Any, ...] = (),
     resume: bool = False,
@@ -46,7 +48,8 @@ def train(
 
     world = dist.get_world_size()
     if hsdp:
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        shape = (replicas, world // replicas)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     torch.manual_seed(init_seed)
@@ -81,3 +84,7 @@ def train_resumed(run_dir: str, steps: int) -> dict[str, Any]:
 
 def train_fsdp_abft(run_dir: str, steps: int) -> dict[str, Any]:
     return train(run_dir, steps, hsdp=False, config={"abft": True})
+
+
+def train_three_groups(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, replicas=3)

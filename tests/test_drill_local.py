@@ -32,6 +32,36 @@ def test_local_drill_passes_every_stage(tmp_path: Path) -> None:
     assert "node2" not in faulty["nodes"]
 
 
+def test_sharded_local_drill_drains_the_faulty_node_and_resumes_from_dcp(tmp_path: Path) -> None:
+    """HSDP 2x2 under ShardedGuard: the fault on rank 3's node (node4) is named by the replay,
+    the dry-run controller drains node4 alone, and the run resumed from the sealed DCP
+    checkpoint of step 10 on the other nodes ends bit-identical to the clean run."""
+    args = ["drill", "--local", "--sharded", "--work-dir", str(tmp_path), "--json"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert "HSDP 2x2, ShardedGuard" in result.output
+    report = json.loads(result.output[result.output.index("{\n") :])
+    assert len(report["stages"]) == 5 and all(s["passed"] for s in report["stages"]), report
+    assert "would drain node4: slurm-guard: job 1001 step 20 check replay" in result.output
+    assert "would drain node2" not in result.output
+
+    clean, faulty = read_result(tmp_path / "clean"), read_result(tmp_path / "faulty")
+    assert clean is not None and faulty is not None
+    assert faulty["weight_sha256"] == clean["weight_sha256"]
+    assert (faulty["resumed_from"], faulty["final_step"]) == (10, 30)
+    assert faulty["nodes"] == ["node1", "node2", "node3", "node5"]
+    meta = json.loads((tmp_path / "faulty/checkpoints/step-00000010/meta.json").read_text())
+    assert len(meta["shard_fingerprints"]) == 4 and "__3_0.distcp" in meta["files"]
+    # the step-20 checkpoint carried the faulty updates of steps 17-19: moved aside
+    (alarm,) = (tmp_path / "faulty" / "quarantine").iterdir()
+    assert (alarm / "step-00000020" / "meta.json").exists()
+
+
+def test_sharded_drill_refuses_an_odd_number_of_ranks() -> None:
+    result = CliRunner().invoke(main, ["drill", "--local", "--sharded", "--nodes", "5"])
+    assert result.exit_code == 1 and "even --nodes >= 4" in result.output
+
+
 def test_drill_refuses_too_few_nodes() -> None:
     result = CliRunner().invoke(main, ["drill", "--local", "--nodes", "2"])
     assert result.exit_code == 2 and "--nodes" in result.output

@@ -52,7 +52,7 @@ def drill(work: Path, state: Path, *extra: str) -> str:
     return result.output
 
 
-def check_history(work: Path, state: Path) -> None:
+def check_history(work: Path, state: Path, suspect: str = "node2") -> None:
     """`slurm-guard status` on the faulty run: alarm, drain, requeue, resume step, final step."""
     (faulty,) = work.glob("faulty-*")
     (clean,) = work.glob("clean-*")
@@ -62,10 +62,10 @@ def check_history(work: Path, state: Path) -> None:
     assert result.exit_code == 0, result.output
     view = json.loads(result.output)
     (alarm,) = view["alarms"]
-    assert alarm["suspect_nodes"] == ["node2"] and alarm["decision"] == "act"
+    assert alarm["suspect_nodes"] == [suspect] and alarm["decision"] == "act"
     done = {a["op"] for a in view["controller_actions"] if a["result"] == "done"}
     assert {"drain", "requeue_hold", "exclude", "release"} <= done
-    assert view["job"]["restart_count"] == 1 and "node2" in view["job"]["excluded_nodes"]
+    assert view["job"]["restart_count"] == 1 and suspect in view["job"]["excluded_nodes"]
     (resume,) = view["resumes"]
     assert resume["resumed_from_step"] == 10 and resume["restart_count"] == 1
     assert view["latest_checkpoint"] == 30
@@ -74,10 +74,8 @@ def check_history(work: Path, state: Path) -> None:
         assert text in table, table
 
 
-def test_drill_via_submitit_with_the_epilog_as_controller(
-    cluster: LocalCluster, tmp_path: Path
-) -> None:
-    state, work = tmp_path / "state", tmp_path / "work"
+def install_epilog(cluster: LocalCluster, tmp_path: Path, state: Path) -> None:
+    """The site's EpilogSlurmctld as the controller, running this tree's slurm_guard."""
     defaults = tmp_path / "defaults"
     entry = Path(sys.prefix) / "bin" / "slurm-guard"
     defaults.write_text(
@@ -95,6 +93,13 @@ def test_drill_via_submitit_with_the_epilog_as_controller(
             str(EPILOG_SCRIPT),
         ]
     )
+
+
+def test_drill_via_submitit_with_the_epilog_as_controller(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    state, work = tmp_path / "state", tmp_path / "work"
+    install_epilog(cluster, tmp_path, state)
     out = drill(work, state, "--via", "submitit", "--controller", "epilog")
     assert "controller (epilog) drains exactly node2" in out
     check_history(work, state)
@@ -107,3 +112,42 @@ def test_drill_via_sbatch_template_with_in_job_recovery(
     out = drill(work, state, "--via", "sbatch", "--controller", "in-job")
     assert "controller (in-job) drains exactly node2" in out
     check_history(work, state)
+
+
+def test_sharded_drill_via_submitit_with_the_epilog_as_controller(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """HSDP 2x2 as 4 tasks on 3 nodes (ranks 0,1 share the first): the fault on rank 3's node
+    is named by the cross-replica replay, the epilog drains that node alone, the job comes
+    back on the other three and resumes from the sealed DCP checkpoint, bit-identical."""
+    state, work = tmp_path / "state", tmp_path / "work"
+    install_epilog(cluster, tmp_path, state)
+    out = drill(
+        work, state, "--sharded", "--via", "submitit", "--controller", "epilog", "--timeout", "240"
+    )
+    assert "HSDP 2x2 (4 tasks), ShardedGuard" in out
+    (faulty,) = work.glob("faulty-*")
+    fault = json.loads((faulty / "injected-fault.json").read_text())
+    suspect = fault["nodes"][3]
+    assert fault["nodes"].count(suspect) == 1  # one GPU's node, not rank 2's as well
+    assert f"controller (epilog) drains exactly {suspect}" in out
+    check_history(work, state, suspect)
+    meta = json.loads((faulty / "checkpoints" / "step-00000010" / "meta.json").read_text())
+    assert len(meta["shard_fingerprints"]) == 4 and "__3_0.distcp" in meta["files"]
+    result = read_result(faulty)
+    assert result is not None and suspect not in result["nodes"] and len(result["nodes"]) == 4
+
+
+def test_sharded_drill_via_sbatch_template_with_in_job_recovery(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The same through the sbatch template (`examples.train --sharded`, `--ntasks=4`) and its
+    in-job `slurm-guard recover` step."""
+    state, work = tmp_path / "state", tmp_path / "work"
+    out = drill(
+        work, state, "--sharded", "--via", "sbatch", "--controller", "in-job", "--timeout", "240"
+    )
+    (faulty,) = work.glob("faulty-*")
+    suspect = json.loads((faulty / "injected-fault.json").read_text())["nodes"][3]
+    assert f"controller (in-job) drains exactly {suspect}" in out
+    check_history(work, state, suspect)

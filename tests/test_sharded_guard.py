@@ -10,7 +10,13 @@ import json
 from pathlib import Path
 
 import pytest
-from sharded_guard_workers import train, train_fsdp_abft, train_resumed, train_saving
+from sharded_guard_workers import (
+    train,
+    train_fsdp_abft,
+    train_resumed,
+    train_saving,
+    train_three_groups,
+)
 
 from slurm_guard.checks.verdicts import ReplayResult
 from slurm_guard.comm.topology import RankInfo, Topology
@@ -20,10 +26,11 @@ from slurm_guard.sharded.replay import Mesh
 from slurm_guard.sharded.verdict import judge_shard_vote, judge_sharded_replays
 
 NODES = ["n0", "n1", "n2", "n3"]
+SIX = [f"n{r}" for r in range(6)]
 
 
 def _alarms(outcomes: list[RankOutcome]) -> list[dict[str, object]]:
-    assert [o.status for o in outcomes] == ["alarm"] * 4, [o.value for o in outcomes]
+    assert [o.status for o in outcomes] == ["alarm"] * len(outcomes), [o.value for o in outcomes]
     alarms = [json.loads(o.value) if isinstance(o.value, str) else o.value for o in outcomes]
     assert len({a["alarm_id"] for a in alarms}) == 1  # every rank raised the same record
     return alarms
@@ -150,3 +157,45 @@ def test_fsdp_without_replicas_catches_a_one_off_gemm_fault_with_abft(tmp_path: 
     alarm = _alarms(outcomes)[0]
     assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("abft", "sdc", 2)
     assert alarm["suspect_ranks"] == [1] and alarm["suspect_nodes"] == ["n1"]
+
+
+# ------------------------------------------------------------------ 3 replica groups (3x2)
+
+
+@pytest.mark.distributed
+def test_a_third_replica_group_settles_a_single_failed_replay(tmp_path: Path) -> None:
+    """A one-off wrong gradient on rank 2's own step (its replays are right) fails exactly one
+    comparison, rank 0's replay of rank 2 (group 0 replays group 1): ambiguous between the two
+    until rank 4, in the third replica group, recomputes the same microbatch and sides with
+    rank 0."""
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,rank=2,step=2"}  # step 2 is replayed
+    outcomes = run_local(
+        train_three_groups, 6, args=(str(tmp_path), 3), nodes=SIX, extra_env=inject
+    )
+    alarm = _alarms(outcomes)[0]
+    assert (alarm["check"], alarm["step"], alarm["update_applied"]) == ("replay", 2, False)
+    assert alarm["verdict"] == "sdc"  # without the settling round: ambiguous, ranks 0 and 2
+    assert alarm["suspect_ranks"] == [2] and alarm["suspect_nodes"] == ["n2"]
+    assert alarm["last_verified_step"] == 0
+
+
+@pytest.mark.distributed
+def test_with_three_replica_groups_the_vote_names_the_odd_copy(tmp_path: Path) -> None:
+    inject = {"SLURM_GUARD_INJECT": "kind=weight-bitflip,rank=3,step=1,bit=30"}
+    outcomes = run_local(
+        train_three_groups, 6, args=(str(tmp_path), 2), nodes=SIX, extra_env=inject
+    )
+    alarm = _alarms(outcomes)[0]
+    assert (alarm["check"], alarm["step"], alarm["update_applied"]) == ("vote", 1, True)
+    # two groups could only say that shard 1's copies differ; the third names the bad one
+    assert alarm["verdict"] == "sdc" and alarm["suspect_ranks"] == [3]
+    assert alarm["suspect_nodes"] == ["n3"]
+
+
+@pytest.mark.distributed
+def test_one_shard_per_replica_group_is_refused_by_name(tmp_path: Path) -> None:
+    """A 3x1 mesh: FSDP2 copies instead of reduce-scattering, so the guard's check never runs;
+    every rank refuses at set-up (it failed on the first step with a misleading message)."""
+    outcomes = run_local(train_three_groups, 3, args=(str(tmp_path), 1), nodes=NODES[:3])
+    assert [o.status for o in outcomes] == ["error"] * 3
+    assert all("2 or more shards per replica group" in str(o.value) for o in outcomes)

@@ -30,11 +30,16 @@ def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
     "--local", "local", is_flag=True, help="No Slurm: local processes, dry-run controller."
 )
 @click.option(
+    "--sharded",
+    is_flag=True,
+    help="A sharded job: the tiny Llama under HSDP (2 replica groups) and ShardedGuard.",
+)
+@click.option(
     "--nodes",
     type=click.IntRange(min=3),
-    default=3,
-    show_default=True,
-    help="Nodes of the drill job (the cluster needs one more, free).",
+    default=None,
+    help="Nodes of the drill job (the cluster needs one more, free); default 3, "
+    "with --sharded 4 local ranks or 3 Slurm nodes.",
 )
 @click.option(
     "--steps",
@@ -83,7 +88,8 @@ def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
 @json_option(help="Also print the report as JSON.")
 def drill_cmd(
     local: bool,
-    nodes: int,
+    sharded: bool,
+    nodes: int | None,
     steps: int,
     via: str,
     controller: str,
@@ -99,7 +105,9 @@ def drill_cmd(
     A persistent fault on one node: the guard must stop the job, the controller drain exactly
     that node, the job come back without it, resume from the checkpoint before the fault and
     end with weights bit-identical to a clean run. --local runs it on local processes without
-    Slurm (25 s on two idle cores, up to two minutes when other work shares them).
+    Slurm (25 s on two idle cores, up to two minutes when other work shares them). --sharded
+    runs a tiny Llama under HSDP (2 replica groups x shards) with ShardedGuard and DCP
+    checkpoints instead of DDP.
 
     The Slurm drill drains a real node (returned to service at the end unless
     --keep-drained) and needs nodes+1 free nodes and a --work-dir on shared storage.
@@ -108,6 +116,7 @@ def drill_cmd(
 
         \b
         slurm-guard drill --local
+        slurm-guard drill --local --sharded
         slurm-guard drill --nodes 3 --via sbatch --work-dir /shared/drills --sbatch partition=debug
     """
     from slurm_guard.drill import DrillError, SlurmDrillOptions, run_local_drill, run_slurm_drill
@@ -117,14 +126,20 @@ def drill_cmd(
     try:
         if local:
             report = run_local_drill(
-                work_dir, nodes=nodes, steps=steps, echo=click.echo, timeout=timeout
+                work_dir,
+                nodes=nodes if nodes is not None else 4 if sharded else 3,
+                steps=steps,
+                echo=click.echo,
+                timeout=timeout,
+                sharded=sharded,
             )
         else:
             if work_dir is None:
                 raise click.UsageError("the Slurm drill needs --work-dir on shared storage")
             opts = SlurmDrillOptions(
-                nodes=nodes,
+                nodes=nodes if nodes is not None else 3,
                 steps=steps,
+                sharded=sharded,
                 via=via,
                 controller=controller,
                 state_dir=state_dir,

@@ -11,7 +11,6 @@ from typing import Any
 
 from slurm_guard.drill.stages import (
     CLEAN_JOB_ID,
-    FAULT_SPEC,
     LOCAL_JOB_ID,
     DrillError,
     DrillReport,
@@ -19,6 +18,7 @@ from slurm_guard.drill.stages import (
     Recorder,
     StageFailed,
     check,
+    drill_fault,
     make_work_dir,
     short_digest,
 )
@@ -105,11 +105,14 @@ def run_local_drill(
     steps: int = 30,
     echo: Echo = print,
     timeout: float = 300.0,
+    sharded: bool = False,
 ) -> DrillReport:
     """The demo: clean run, faulty run, dry-run controller decision, resume, bit-for-bit check.
 
     `nodes` local processes pose as node1..nodeN (N >= 3: one suspect needs two witnesses);
-    the resumed run uses node1, node3..node{N+1}, i.e. without the suspect node2.
+    the resumed run uses the same names without the suspect (node2; node4 with `sharded`)
+    and with node{N+1} in its place. `sharded`: the tiny Llama under HSDP (2 replica groups x
+    N/2 shards) and ShardedGuard instead of DDP and Guard; N must be even.
     """
     from slurm_guard.controller import handle_job
     from slurm_guard.examples.train import TrainSettings, read_result
@@ -120,23 +123,31 @@ def run_local_drill(
 
     if nodes < 3:
         raise DrillError("the drill needs --nodes >= 3: attributing a fault takes two witnesses")
+    if sharded and (nodes < 4 or nodes % 2):
+        raise DrillError("the sharded drill needs an even --nodes >= 4 (2 replica groups)")
     if steps < 25:
         raise DrillError("the drill needs --steps >= 25 (the fault starts at step 17)")
+    fault_spec, fault_rank = drill_fault(sharded)
     work = make_work_dir(work_dir, "slurm-guard-drill-")
     names = [f"node{i}" for i in range(1, nodes + 1)]
+    suspect = names[fault_rank]
+    what = f"HSDP 2x{nodes // 2}, ShardedGuard" if sharded else "DDP"
     report = DrillReport(
         f"slurm-guard drill --local: {nodes} local processes as nodes {names[0]}..{names[-1]}, "
-        "no Slurm, dry-run controller",
+        f"{what}, no Slurm, dry-run controller",
         work,
     )
     echo(report.title)
     echo(f"work dir: {work}")
-    echo(f"fault: {FAULT_SPEC} (a GPU on rank 1's node returns wrong gradients from step 17)")
+    echo(
+        f"fault: {fault_spec} (a GPU on rank {fault_rank}'s node returns wrong gradients "
+        "from step 17)"
+    )
     rec = Recorder(report, echo)
     began = time.monotonic()
     clean_dir, faulty_dir = work / "clean", work / "faulty"
-    clean = TrainSettings(run_dir=str(clean_dir), steps=steps)
-    faulty = TrainSettings(run_dir=str(faulty_dir), steps=steps, inject=FAULT_SPEC)
+    clean = TrainSettings(run_dir=str(clean_dir), steps=steps, sharded=sharded)
+    faulty = TrainSettings(run_dir=str(faulty_dir), steps=steps, inject=fault_spec, sharded=sharded)
     try:
         spawn = time.monotonic()
         outcomes = run_local(
@@ -173,14 +184,14 @@ def run_local_drill(
             check(alarm is not None, "the faulty run finished without an alarm")
             check(all(r["alarm"] == alarm for r in runs), "ranks disagree on the alarm")
             check(alarm["verdict"] == "sdc", f"verdict {alarm['verdict']}, expected sdc")
-            check(alarm["suspect_nodes"] == ["node2"], f"suspects {alarm['suspect_nodes']}")
+            check(alarm["suspect_nodes"] == [suspect], f"suspects {alarm['suspect_nodes']}")
             check(not alarm["update_applied"], "the suspect update was applied")
             files = list(RunDir(faulty_dir).alarms_dir.glob("*.json"))
             check(len(files) == 1, f"{len(files)} alarm files, expected 1")
             check(read_alarm(files[0]).alarm_id == alarm["alarm_id"], "alarm file differs")
             d.append(f"after {runs[0]['seconds']:.1f} s: {alarm['message']}")
             d.append(
-                f"suspect node2 (rank {alarm['suspect_ranks'][0]}), update not applied; "
+                f"suspect {suspect} (rank {alarm['suspect_ranks'][0]}), update not applied; "
                 f"last verified step {alarm['last_verified_step']}, trusted checkpoint "
                 f"{alarm['trusted_checkpoint']}; alarm file {files[0]}"
             )
@@ -200,14 +211,14 @@ def run_local_drill(
             check(decision[0] == "act", f"decision {decision}")
             drains = [a for a in job_report.actions if a.startswith("would drain ")]
             check(len(drains) == 1, f"drains {drains}, expected exactly one")
-            check(drains[0].startswith(f"would drain node2: {REASON_PREFIX}"), drains[0])
+            check(drains[0].startswith(f"would drain {suspect}: {REASON_PREFIX}"), drains[0])
             check(
-                f"would exclude node2 from job {LOCAL_JOB_ID}" in job_report.actions,
-                f"no exclusion of node2 in {job_report.actions}",
+                f"would exclude {suspect} from job {LOCAL_JOB_ID}" in job_report.actions,
+                f"no exclusion of {suspect} in {job_report.actions}",
             )
             d.append(f"decision: {decision[1]}")
             d += job_report.actions
-        resumed_names = [names[0], *names[2:], f"node{nodes + 1}"]
+        resumed_names = [n for n in names if n != suspect] + [f"node{nodes + 1}"]
         with rec.stage(f"requeued run on {','.join(resumed_names)} resumes and finishes") as d:
             again = run_local(
                 _local_worker,
@@ -232,7 +243,7 @@ def run_local_drill(
                 f"resumed from step {result['resumed_from']}, expected {expected}",
             )
             check(result["final_step"] == steps, f"stopped at step {result['final_step']}")
-            check("node2" not in result["nodes"], f"ran on {result['nodes']}")
+            check(suspect not in result["nodes"], f"ran on {result['nodes']}")
             on_disk = read_result(faulty_dir)
             check(
                 on_disk is not None and on_disk["weight_sha256"] == result["weight_sha256"],

@@ -9,18 +9,20 @@ from pathlib import Path
 from typing import Any
 
 from slurm_guard.drill.stages import (
-    FAULT_SPEC,
     DrillError,
     DrillReport,
     Echo,
     Recorder,
     StageFailed,
     check,
+    drill_fault,
     make_work_dir,
     short_digest,
 )
 from slurm_guard.protocol import DEFAULT_STATE_DIR
 from slurm_guard.slurm.polling import poll
+
+SHARDED_TASKS = 4
 
 
 @dataclass(frozen=True)
@@ -33,10 +35,12 @@ class SlurmDrillOptions:
             EpilogSlurmctld, already installed; the drill only watches).
         state_dir: the controller's state directory; share the epilog's.
         keep_drained: leave the drained node drained (default: return it to service).
+        sharded: the tiny Llama under HSDP and ShardedGuard (4 tasks on `nodes` nodes).
     """
 
     nodes: int = 3
     steps: int = 30
+    sharded: bool = False
     via: str = "submitit"
     controller: str = "in-job"
     state_dir: Path = DEFAULT_STATE_DIR
@@ -54,29 +58,37 @@ def _submit(opts: SlurmDrillOptions, settings: Any, run_dir: Path, client: Any) 
     from slurm_guard.slurm.launch import default_train_command, launch, render_sbatch
 
     in_job = opts.controller == "in-job"
+    # Sharded: 4 tasks (2 replica groups x 2 shards) on 3 or 4 nodes; Slurm's block layout puts
+    # ranks 0 and 1 together on 3 nodes, so rank 3, where the fault goes, is alone on its node.
+    tasks = {"ntasks": str(SHARDED_TASKS)} if opts.sharded else {}
+    per_node = 2 if opts.sharded else None
     if opts.via == "submitit":
         job = launch(
             slurm_task,
             settings,
             nodes=opts.nodes,
+            tasks_per_node=per_node,
             run_dir=run_dir,
             in_job_recovery=in_job,
             state_dir=str(opts.state_dir),
             job_name=f"sg-drill-{run_dir.name}",
             time=30,
-            additional_parameters={"requeue": True, **dict(opts.sbatch_options)},
+            additional_parameters={"requeue": True, **tasks, **dict(opts.sbatch_options)},
         )
         return str(job.job_id)
     args = ["--run-dir", str(run_dir), "--steps", str(settings.steps)]
     if settings.inject:
         args += ["--inject", settings.inject]
+    if settings.sharded:
+        args.append("--sharded")
     script = render_sbatch(
         run_dir=run_dir,
         nodes=opts.nodes,
+        tasks_per_node=per_node,
         train_command=default_train_command(args),
         job_name=f"sg-drill-{run_dir.name}",
         state_dir=str(opts.state_dir),
-        sbatch_options={"time": "30", **dict(opts.sbatch_options)},
+        sbatch_options={"time": "30", **tasks, **dict(opts.sbatch_options)},
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "job.sbatch"
@@ -125,14 +137,20 @@ def run_slurm_drill(
         )
     if opts.nodes < 3:
         raise DrillError("the drill needs --nodes >= 3: attributing a fault takes two witnesses")
+    if opts.sharded and opts.nodes > SHARDED_TASKS:
+        raise DrillError(
+            f"the sharded drill runs {SHARDED_TASKS} tasks: give --nodes 3 or {SHARDED_TASKS}"
+        )
     if client is None:
         from slurm_guard.slurm.client import default_client
 
         client = default_client()
     work = make_work_dir(work_dir, "slurm-guard-drill-")
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    what = f", HSDP 2x2 ({SHARDED_TASKS} tasks), ShardedGuard" if opts.sharded else ""
     report = DrillReport(
-        f"slurm-guard drill: {opts.nodes}-node job via {opts.via}, controller {opts.controller}",
+        f"slurm-guard drill: {opts.nodes}-node job{what} via {opts.via}, "
+        f"controller {opts.controller}",
         work,
     )
     echo(report.title)
@@ -140,8 +158,11 @@ def run_slurm_drill(
     rec = Recorder(report, echo)
     began = time.monotonic()
     clean_dir, faulty_dir = work / f"clean-{stamp}", work / f"faulty-{stamp}"
-    clean = TrainSettings(run_dir=str(clean_dir), steps=opts.steps)
-    faulty = TrainSettings(run_dir=str(faulty_dir), steps=opts.steps, inject=FAULT_SPEC)
+    fault_spec, _ = drill_fault(opts.sharded)
+    clean = TrainSettings(run_dir=str(clean_dir), steps=opts.steps, sharded=opts.sharded)
+    faulty = TrainSettings(
+        run_dir=str(faulty_dir), steps=opts.steps, inject=fault_spec, sharded=opts.sharded
+    )
     try:
         with rec.stage("cluster has room for the drill") as d:
 
@@ -189,8 +210,15 @@ def run_slurm_drill(
             alarms, errors = rd.alarms()
             check(not errors and len(alarms) == 1, f"alarms {alarms}, errors {errors}")
             alarm = alarms[0]
-            fault_node = str(read_json_file(faulty_dir / FAULT_FILE)["spec"]).split("node=")[1]
-            fault_node = fault_node.split(",")[0]
+            injected = read_json_file(faulty_dir / FAULT_FILE)
+            fault_node = str(injected["spec"]).split("node=")[1].split(",")[0]
+            placed = list(injected.get("nodes") or [])
+            check(
+                not opts.sharded or placed.count(fault_node) == 1,
+                f"ranks on nodes {placed}: rank 3 shares {fault_node} with another rank (the "
+                "site's task layout is not Slurm's block default?), so the fault hits a whole "
+                "replica group and cannot be attributed; the sharded drill needs rank 3 alone",
+            )
             check(alarm.verdict == "sdc", f"verdict {alarm.verdict}")
             check(
                 list(alarm.suspect_nodes) == [fault_node],

@@ -23,6 +23,17 @@ FAULT_SPEC = "kind=grad-scale,node=@rank1,step=17,persistent=1,param=10"
 """A persistent wrong gradient on rank 1's node from step 17: between the replays at 15 and 20,
 so the alarm comes at 20, the last verified step is 15 and the trusted checkpoint is step 10."""
 
+SHARDED_FAULT_SPEC = "kind=grad-scale,node=@rank3,step=17,persistent=1,param=0"
+"""The same schedule for the sharded drill (HSDP, 2 replica groups x 2 shards). `param` counts
+the reduce-scatters of a backward (0: the first, the last block's). Rank 3 is the one alone on
+its node when Slurm puts 4 tasks on 3 nodes (block layout: ranks 0 and 1 share the first), so
+the fault is one GPU's and its node can be named."""
+
+
+def drill_fault(sharded: bool) -> tuple[str, int]:
+    """The fault the drill injects and the rank whose node it is on (first start)."""
+    return (SHARDED_FAULT_SPEC, 3) if sharded else (FAULT_SPEC, 1)
+
 
 class DrillError(GuardError):
     """The drill could not run (not a failed check: that is a FAIL stage)."""

@@ -3,7 +3,8 @@
     srun python -m slurm_guard.examples.train --run-dir /shared/runs/demo --steps 100
 
 It is the smallest complete guarded loop: join the process group (from Slurm's environment
-under srun, from torchrun's otherwise), wrap the model in DDP and a Guard, resume from the
+under srun, from torchrun's otherwise), wrap the model in DDP and a Guard (with `--sharded`:
+a tiny Llama under HSDP and a ShardedGuard, `examples.train_sharded`), resume from the
 trusted checkpoint, train with deterministic data per (step, rank), checkpoint, and exit with
 the guard's code (86) on an alarm. A requeued job runs the same command and continues where the
 trusted checkpoint says.
@@ -32,7 +33,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,11 @@ from torch.nn.parallel import DistributedDataParallel
 from slurm_guard.config import GuardConfig
 from slurm_guard.errors import GuardError, SilentDataCorruption
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
+from slurm_guard.examples.train_sharded import build_sharded_job, gathered_sha256
 from slurm_guard.faults.injection import parse_faults
 from slurm_guard.guard import Guard, exit_on_alarm
 from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
+from slurm_guard.sharded.guard import ShardedGuard
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class TrainSettings:
     batch_size: int = 4
     inject: str = ""
     threads: int = 1
+    sharded: bool = False  # the tiny Llama under HSDP and ShardedGuard (examples.train_sharded)
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -99,6 +103,12 @@ def state_sha256(tensors: Sequence[torch.Tensor]) -> str:
         flat = t.detach().to("cpu").reshape(-1).clone()
         digest.update(bytes(flat.view(torch.uint8).untyped_storage()))
     return digest.hexdigest()
+
+
+def _weights_sha256(guard: Guard | ShardedGuard, device: torch.device) -> str:
+    """What the replicas hold, hashed; under HSDP every rank's shards, gathered (collective)."""
+    local = state_sha256(guard.state_tensors())
+    return gathered_sha256(local, device) if isinstance(guard, ShardedGuard) else local
 
 
 def _append_event(run_dir: Path, event: dict[str, Any]) -> None:
@@ -210,18 +220,38 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
         # One thread per rank: CPU kernels then add in a fixed order, so two runs of the same
         # job agree bit for bit whatever else runs on the machine.
         torch.set_num_threads(settings.threads)
-    cfg = MODELS[settings.model]
-    torch.manual_seed(settings.seed)
-    model = TinyGPT(cfg).to(device)
-    ddp = DistributedDataParallel(model, device_ids=[device] if cuda else None)
-    optimizer = torch.optim.AdamW(ddp.parameters(), lr=settings.lr)
     faults = (
         parse_faults(resolve_inject(settings.inject, run_dir, device)) if settings.inject else ()
     )
     config = GuardConfig(
         replay_every=settings.replay_every, vote_every=settings.vote_every, faults=faults
     )
-    guard = Guard(ddp, optimizer, lm_loss, run_dir, config)
+    guard: Guard | ShardedGuard
+    batch_of: Callable[[int, int], Any]
+    if settings.sharded:
+        job = build_sharded_job(
+            run_dir,
+            config,
+            seed=settings.seed,
+            lr=settings.lr,
+            batch_size=settings.batch_size,
+            device=device,
+        )
+        guard, batch_of = job.guard, job.batch
+    else:
+        cfg = MODELS[settings.model]
+        torch.manual_seed(settings.seed)
+        model = TinyGPT(cfg).to(device)
+        ddp = DistributedDataParallel(model, device_ids=[device] if cuda else None)
+        optimizer = torch.optim.AdamW(ddp.parameters(), lr=settings.lr)
+        guard = Guard(ddp, optimizer, lm_loss, run_dir, config)
+
+        def gpt_batch(step: int, rank: int) -> dict[str, torch.Tensor]:
+            batch = make_batch(step, rank, cfg, settings.batch_size)
+            return {k: v.to(device) for k, v in batch.items()}
+
+        batch_of = gpt_batch
+
     start = guard.resume()
     rank = dist.get_rank()
     nodes = [r.node for r in guard.topology.ranks]
@@ -240,10 +270,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     loss = float("nan")
     try:
         for step in range(start, settings.steps):
-            batch = {
-                k: v.to(device) for k, v in make_batch(step, rank, cfg, settings.batch_size).items()
-            }
-            loss = guard.step(batch)
+            loss = guard.step(batch_of(step, rank))
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
                 guard.save_checkpoint()
     except SilentDataCorruption as exc:
@@ -263,7 +290,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     result = {
         "schema": RESULT_SCHEMA,
         "final_step": guard.step_count,
-        "weight_sha256": state_sha256(guard.state_tensors()),
+        "weight_sha256": _weights_sha256(guard, device),
         "resumed_from": start,
         "restart_count": guard.restart_count,
         "job_id": guard.job_id,
@@ -328,6 +355,11 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     parser.add_argument("--model", choices=sorted(MODELS), default=defaults.model)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="train the tiny Llama under HSDP (2 replica groups) with ShardedGuard",
+    )
     parser.add_argument(
         "--inject",
         default="",

@@ -102,6 +102,12 @@ class ShardedGuard(StepCalls):
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.mesh = _mesh(model)
+        if self.mesh.shards < 2:  # the same on every rank: no collective is left waiting
+            raise GuardError(
+                f"ShardedGuard needs 2 or more shards per replica group, not a {self.mesh.replicas}"
+                "x1 mesh: with one shard FSDP2 skips the reduce-scatter whose input the guard "
+                "checks. Replication alone is data parallelism: use DDP and sg.Guard"
+            )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         me = local_rank_info(self.rank)
         self.comm = Collective(None, me.node, self.config.watchdog_seconds)
@@ -302,6 +308,10 @@ class ShardedGuard(StepCalls):
     def shard_fingerprint(self) -> torch.Tensor:
         """This rank's parameter and optimizer-state shards, fingerprinted (lanes, no host read)."""
         return self.fingerprinter.tensors(local_state(self.model, self.optimizer))
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """This rank's shards of what the replica groups hold alike (for `result.json`)."""
+        return local_state(self.model, self.optimizer)
 
     def vote(self, step: int) -> None:
         """The shard vote on the state after `step`'s update (nothing to compare without
