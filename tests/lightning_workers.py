@@ -7,14 +7,13 @@ falls on an epoch end, where Lightning resumes a plain DataLoader exactly): noth
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from framework_results import listing, state_sha
 
 import slurm_guard as sg
 
@@ -68,14 +67,6 @@ def _data(nan: bool) -> Any:
     return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
 
 
-def state_sha(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def _reseed_like_the_guard() -> Any:
     """For the run without the guard: the RNG of each step as GuardCallback(reseed=True) sets it."""
     import lightning.pytorch as pl
@@ -105,9 +96,14 @@ def train(
     save_every: int = 0,
     nan: bool = False,
     dropout: float = 0.1,
-    exit_on_alarm: bool = False,
+    exit_on_alarm: bool | None = False,
 ) -> dict[str, Any]:
-    """One `trainer.fit` (resuming from what the guard trusts by itself); the final hash."""
+    """One `trainer.fit` (resuming from what the guard trusts by itself); the final hash.
+
+    `exit_on_alarm` is GuardCallback's: False raises the alarm to the caller, None keeps the
+    callback's default (exit 86 under Slurm). Devices per node come from LOCAL_WORLD_SIZE (all
+    ranks on one "node" under run_local; one a node under srun, where Lightning's
+    SLURMEnvironment checks them against `--ntasks-per-node` and the node count)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
@@ -137,9 +133,11 @@ def train(
                 save_last=True,
             )
         )
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=dist.get_world_size(),
+        devices=devices,
+        num_nodes=dist.get_world_size() // devices,
         strategy=DDPStrategy(process_group_backend="gloo"),
         max_steps=max_steps,
         accumulate_grad_batches=ACCUMULATION,
@@ -196,9 +194,5 @@ def resumed(root: str) -> dict[str, Any]:
     return train(f"{root}/fault-out", f"{root}/fault-run", 9, config, save_every=3)
 
 
-def alarms(run_dir: str) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(Path(run_dir, "alarms").glob("*.json"))]
-
-
-def listing(path: str) -> list[str]:
-    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*.ckpt"))
+def checkpoints(path: str) -> list[str]:
+    return listing(path, "*.ckpt")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from framework_results import alarms
 
 from slurm_guard.local import run_local
 
@@ -42,12 +43,11 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_clean_run_with_accumulation_and_clipping_raises_no_alarm(clean: dict[str, Any]) -> None:
-    import lightning_workers
 
     ranks = clean["ranks"]
     assert len({r["clean"]["sha"] for r in ranks}) == 1
     assert ranks[0]["clean"]["global_step"] == 9
-    assert lightning_workers.alarms(str(clean["root"] / "clean-run")) == []
+    assert alarms(str(clean["root"] / "clean-run")) == []
     # the norm before Lightning's clip is the run's without the guard, up to the last bits
     # (the guard's comm hook sums in its own order); clipping had work to do
     norms, plain = ranks[0]["clean"]["grad_norms"], ranks[0]["plain"]["grad_norms"]
@@ -74,9 +74,9 @@ def test_persistent_fault_caught_on_its_node_exits_86_and_resume_skips_later_che
     assert all(o.status == "ok" and o.value["exit_code"] == 86 for o in outs), [
         o.value for o in outs
     ]
-    (alarm,) = lightning_workers.alarms(str(tmp_path / "fault-run"))
+    (alarm,) = alarms(str(tmp_path / "fault-run"))
     assert alarm["verdict"] == "sdc" and alarm["suspect_nodes"] == ["node3"]
-    written = lightning_workers.listing(str(tmp_path / "fault-out"))
+    written = lightning_workers.checkpoints(str(tmp_path / "fault-out"))
     assert "checkpoints/epoch=1-step=6.ckpt" in written  # after the onset, before the catch
     outs = _run(lightning_workers.resumed, tmp_path)
     assert all(o.status == "ok" for o in outs), [o.value for o in outs]
