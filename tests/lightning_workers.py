@@ -97,6 +97,7 @@ def train(
     nan: bool = False,
     dropout: float = 0.1,
     exit_on_alarm: bool | None = False,
+    keep_one: bool = False,
 ) -> dict[str, Any]:
     """One `trainer.fit` (resuming from what the guard trusts by itself); the final hash.
 
@@ -132,6 +133,10 @@ def train(
                 save_top_k=-1,
                 save_last=True,
             )
+        )
+    if keep_one:  # top-k deletes the older .ckpt files
+        callbacks.append(
+            ModelCheckpoint(dirpath=f"{out}/top1", every_n_train_steps=save_every, save_top_k=1)
         )
     devices = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
     trainer = pl.Trainer(
@@ -169,7 +174,7 @@ def train(
 def clean_and_nan(root: str) -> dict[str, Any]:
     """A clean 9-step run, the same run without the guard, and a run with a NaN sample."""
     config = sg.GuardConfig(replay_every=3, schedule="fixed")
-    clean = train(f"{root}/clean-out", f"{root}/clean-run", 9, config, save_every=3)
+    clean = train(f"{root}/clean-out", f"{root}/clean-run", 9, config, save_every=3, keep_one=True)
     plain = train(f"{root}/plain-out", f"{root}/plain-run", 9, guarded=False)
     try:
         train(f"{root}/nan-out", f"{root}/nan-run", 3, config, nan=True)
@@ -182,15 +187,18 @@ def clean_and_nan(root: str) -> dict[str, Any]:
 def faulty(root: str) -> dict[str, Any]:
     """A persistent gradient fault on node3 from step 4; a checkpoint every 3 steps; exit 86."""
     fault = sg.Fault(kind="grad-scale", node="node3", step=4, persistent=True)
-    config = sg.GuardConfig(replay_every=3, schedule="fixed", faults=(fault,))
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1, faults=(fault,))
     return train(
         f"{root}/fault-out", f"{root}/fault-run", 9, config, save_every=3, exit_on_alarm=True
     )
 
 
 def resumed(root: str) -> dict[str, Any]:
-    """The requeued job (without the faulty node): resumes from what the guard trusts."""
-    config = sg.GuardConfig(replay_every=3, schedule="fixed")
+    """The requeued job (without the faulty node): resumes from what the guard trusts, with
+    `trust_replays=1` the `.ckpt` of step 3 (the passing replay at 3 vouches for it; the
+    default 2 would trust only a start from step 0, which would hide a resume that is not
+    bit-identical)."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1)
     return train(f"{root}/fault-out", f"{root}/fault-run", 9, config, save_every=3)
 
 

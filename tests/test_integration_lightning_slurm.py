@@ -81,11 +81,18 @@ def test_guard_callback_on_slurm_is_drained_requeued_and_resumed_bit_identically
     assert resumed == lightning_slurm_train.TRUSTED_STEP
     quarantine = out / "slurm-guard-quarantine" / alarm.alarm_id
     assert ckpts(quarantine) == {"epoch=1-step=6.ckpt", "last.ckpt"}
-    assert ckpts(out / "checkpoints") == {  # the rerun's own
+    # the rerun's own; the one ModelCheckpoint saves inside step 3 after the resume (after its
+    # first microbatch, without the accumulated gradient) is left unsealed
+    folder = out / "checkpoints"
+    assert ckpts(folder) == {
         "epoch=0-step=3.ckpt",
+        "epoch=1-step=3.ckpt",
         "epoch=1-step=6.ckpt",
         "epoch=2-step=9.ckpt",
         "last.ckpt",
+    }
+    assert {p.name for p in folder.glob("*.slurm-guard.json")} == {
+        f"{name}.slurm-guard.json" for name in ckpts(folder) - {"epoch=1-step=3.ckpt"}
     }
 
     assert result["sha"] == reference  # bit-identical to the clean run

@@ -1,4 +1,5 @@
-"""What the framework integrations share: the lazy import, and trust in the framework's checkpoints.
+"""What the framework integrations share: the lazy import, the exit code on an alarm, and trust
+in the framework's checkpoints.
 
 A framework writes its own checkpoints (HF's `checkpoint-N/` folders, Lightning's `.ckpt`
 files), with the state the guard's own checkpoints do not hold (LR scheduler, data position,
@@ -17,6 +18,7 @@ callbacks). The guard ties them to its trust decision instead of copying them:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -29,8 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import local_rank_info
+from slurm_guard.config import GuardConfig
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint import as_hex
+from slurm_guard.guard import exit_on_alarm
 from slurm_guard.rundir.checkpoint import sha256_file
 from slurm_guard.rundir.layout import RunDir, fresh_start_requested
 from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
@@ -58,6 +62,17 @@ def require(module: str, extra: str) -> ModuleType:
             "version you have, e.g. pip install 'torch==<yours>' 'slurm-guard[...]', so pip "
             "does not replace it)"
         ) from exc
+
+
+def exits_on_alarm(choice: bool | None) -> bool:
+    """An integration's `exit_on_alarm` choice; None: on under Slurm (`SLURM_JOB_ID` set),
+    where the epilog reads exit code 86, off elsewhere (the alarm is raised to the caller)."""
+    return choice if choice is not None else bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def alarm_exit(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside it, an alarm ends the process with exit code 86 if `enabled`, else it raises."""
+    return exit_on_alarm() if enabled else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -142,6 +157,27 @@ def vote_before_save(core: GuardCore) -> None:
     core.comm.arrive(f"framework checkpoint after {core.step_count} steps")
     if core.voted_at != core.step_count:
         core.vote(core.step_count - 1)
+
+
+def save_sealed(
+    core: GuardCore,
+    framework: str,
+    framework_steps: int,
+    save: Callable[[], None],
+    checkpoint: Path,
+    seal_path: Path,
+) -> None:
+    """Vote, let the framework write `checkpoint` with `save`, then seal it (every rank calls
+    this). The framework's step count must be the guard's: a checkpoint of steps the guard did
+    not check would be sealed as checked."""
+    if core.step_count != framework_steps:
+        raise GuardError(
+            f"the guard counted {core.step_count} steps, {framework} {framework_steps}: "
+            "was the guard skipped for some steps?"
+        )
+    vote_before_save(core)
+    save()
+    seal_checkpoint(core, checkpoint, seal_path)
 
 
 def seal_checkpoint(core: GuardCore, checkpoint: Path, seal_path: Path) -> None:
@@ -251,28 +287,29 @@ def _plan(
 def choose_checkpoint(
     run_dir: RunDir,
     list_checkpoints: Callable[[], Sequence[Listed]],
-    quarantine_root: Path,
-    *,
-    trust_replays: int,
+    output_root: Path,
+    config: GuardConfig,
     requested: Path | None = None,
-    watchdog_seconds: float = 0.0,
 ) -> Chosen:
-    """Every rank: the checkpoint the framework may resume from (rank 0 decides, all agree).
+    """Every rank: the checkpoint the framework may resume from (rank 0 decides, all agree);
+    the newer ones move to `<output_root>/slurm-guard-quarantine/`.
 
     Runs before the guard's core exists (the framework loads before it wraps the model), on
     the default process group. Raises GuardError on every rank when the run directory cannot
     be read or `requested` is not the trusted checkpoint.
     """
+    trust_replays = config.trust_replays
     import torch.distributed as dist
 
     if not dist.is_initialized():
         raise GuardError("torch.distributed is not initialized: the guard needs a DDP run")
-    comm = Collective(None, local_rank_info(dist.get_rank()).node, watchdog_seconds)
+    comm = Collective(None, local_rank_info(dist.get_rank()).node, config.watchdog_seconds)
     item: Listed | None = None
     point: ResumePoint | None = None
     problem = None
     if comm.rank == 0:
         try:
+            quarantine_root = output_root / QUARANTINE_DIR
             item, point = _plan(
                 run_dir, list_checkpoints(), trust_replays, quarantine_root, requested
             )
