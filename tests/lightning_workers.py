@@ -134,10 +134,8 @@ def train(
                 save_last=True,
             )
         )
-    if keep_one:  # top-k deletes the older .ckpt files
-        callbacks.append(
-            ModelCheckpoint(dirpath=f"{out}/top1", every_n_train_steps=save_every, save_top_k=1)
-        )
+    if keep_one:  # after every step; top-k deletes the older .ckpt files
+        callbacks.append(ModelCheckpoint(dirpath=f"{out}/top1", every_n_train_steps=1))
     devices = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
     trainer = pl.Trainer(
         accelerator="cpu",
