@@ -229,6 +229,25 @@ def _run_id(run_dir: RunDir) -> str | None:
     return obj.get("run_id") if isinstance(obj, dict) else None
 
 
+def quarantine(item: Listed, target: Path) -> Path:
+    """Move a checkpoint and its seal into `target`; the checkpoint's new path.
+
+    Never over a file already there: two checkpoint folders may hold the same names (two
+    Lightning ModelCheckpoints' `last.ckpt`), and quarantine never deletes. A clash gets a
+    numbered prefix, the same for the checkpoint and its seal, so they stay a pair.
+    """
+    target.mkdir(parents=True, exist_ok=True)
+    paths = (item.path, item.seal)
+    prefix, n = "", 0
+    while any((target / (prefix + p.name)).exists() for p in paths if p.exists()):
+        n += 1
+        prefix = f"{n}-"
+    for path in paths:
+        if path.exists():  # an HF seal lies inside its folder and has moved with it
+            os.replace(path, target / (prefix + path.name))
+    return target / (prefix + item.path.name)
+
+
 def _plan(
     run_dir: RunDir,
     listed: Sequence[Listed],
@@ -271,12 +290,7 @@ def _plan(
     moved = []
     for item in listed:
         if item.step > step or fresh:
-            target = quarantine_root / tag
-            target.mkdir(parents=True, exist_ok=True)
-            for path in (item.path, item.seal):
-                if path.exists():
-                    os.replace(path, target / path.name)
-            moved.append(item.path.name)
+            moved.append(quarantine(item, quarantine_root / tag).name)
     if moved:
         logger.warning("moved %s to %s", ", ".join(moved), quarantine_root / tag)
     passes = sorted({s for s in window.verified if s <= step})
