@@ -34,9 +34,8 @@ OneRun = Callable[[str, Path, int, int], list[float]]
 """(variant, scratch folder, steps, width) -> the step times of one fresh run, in seconds."""
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
-    """The options both benchmarks take; the first paragraph of `doc` is the description."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options both benchmarks take."""
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=22)

@@ -18,13 +18,14 @@ ratio to the Trainer without the guard in the same round.
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _framework_overhead import GUARD_VARIANTS, interleaved_means, parser, run_and_report
+from _framework_overhead import GUARD_VARIANTS, add_options, interleaved_means, run_and_report
 
 import slurm_guard as sg
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig
@@ -103,7 +104,8 @@ def _worker(rounds: int, steps: int, width: int, scratch: str) -> dict[str, list
 
 
 def main() -> None:
-    a = parser(__doc__).parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a = add_options(parser).parse_args()
     title = f"Lightning, TinyGPT 2 layers width {a.width}"
     run_and_report("lightning_overhead", title, _worker, a)
 
