@@ -16,26 +16,18 @@ the median of each round's ratio to the plain Trainer of the same round.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _common import median, table, write_json
+from _framework_overhead import GUARD_VARIANTS, add_options, interleaved_means, run_and_report
 
 import slurm_guard as sg
-from slurm_guard.local.launch import run_local
 
-HUGE = 1_000_000
 VOCAB, SEQ = 128, 16
-VARIANTS: dict[str, sg.GuardConfig | None] = {
-    "plain Trainer": None,
-    "per-step checks": sg.GuardConfig(replay_every=HUGE, vote_every=HUGE),
-    "default": sg.GuardConfig(),
-}
-SKIPPED_STEPS = 2
+VARIANTS: dict[str, sg.GuardConfig | None] = {"plain Trainer": None, **GUARD_VARIANTS}
 
 
 class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -50,7 +42,7 @@ class _Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
 
 def _one_run(name: str, root: Path, steps: int, width: int) -> list[float]:
-    """One fresh Trainer of variant `name`; the step times after the first ones."""
+    """One fresh Trainer of variant `name`; the time of each of its optimizer steps."""
     from transformers import (
         GPT2Config,
         GPT2LMHeadModel,
@@ -104,52 +96,18 @@ def _one_run(name: str, root: Path, steps: int, width: int) -> list[float]:
             **common, guard_run_dir=str(run_dir), guard_config=config, guard_exit_on_alarm=False
         )
     trainer.train()
-    return times[SKIPPED_STEPS:]
+    return times
 
 
 def _worker(rounds: int, steps: int, width: int, scratch: str) -> dict[str, list[float]]:
-    """Every variant once a round, the order rotated each round; mean step time per run."""
-    names = list(VARIANTS)
-    means: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            root = Path(scratch) / f"round{r}" / name.replace(" ", "-")
-            times = _one_run(name, root, steps, width)
-            means[name].append(sum(times) / len(times))
-    return means
+    return interleaved_means(list(VARIANTS), _one_run, rounds, steps, width, scratch)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=22)
-    parser.add_argument("--width", type=int, default=64)
-    parser.add_argument("--quick", action="store_true", help="2 rounds of 12 steps")
-    parser.add_argument("--out", help="JSON path (default benchmarks/results/hf_overhead.json)")
-    a = parser.parse_args()
-    rounds, steps = (2, 12) if a.quick else (a.rounds, a.steps)
-    with tempfile.TemporaryDirectory() as scratch:
-        outs = run_local(_worker, a.world, (rounds, steps, a.width, scratch), timeout=3600)
-    if any(o.status != "ok" for o in outs):
-        raise SystemExit(f"a rank failed: {[o.value for o in outs if o.status != 'ok']}")
-    means = outs[0].value
-    plain = means["plain Trainer"]
-    rows = []
-    for name, values in means.items():
-        ratios = [v / p for v, p in zip(values, plain, strict=True)]
-        rows.append([name, 1000 * median(values), median(ratios), min(ratios), max(ratios)])
-    print(
-        f"HF Trainer, GPT-2 2 layers width {a.width}, {a.world} gloo ranks, {rounds} rounds "
-        f"x {steps} steps (first {SKIPPED_STEPS} left out), rank 0's clock:"
-    )
-    print(table(["variant", "step ms", "ratio to plain", "min", "max"], rows))
-    path = write_json(
-        "hf_overhead",
-        {"world": a.world, "rounds": rounds, "steps": steps, "width": a.width, "means": means},
-        a.out,
-    )
-    print(f"wrote {path}")
+    a = add_options(parser).parse_args()
+    title = f"HF Trainer, GPT-2 2 layers width {a.width}"
+    run_and_report("hf_overhead", title, _worker, a)
 
 
 if __name__ == "__main__":

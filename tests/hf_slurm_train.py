@@ -5,10 +5,11 @@
 
 Every task joins the process group from Slurm's environment
 (`slurm_guard.slurm.launch.init_distributed_from_slurm`, which also exports torchrun's variables
-that Accelerate reads) and runs `hf_workers.train`, the very run tests/test_integration_hf.py
-uses, on `$SLURM_GUARD_RUN_DIR`. The alarm is left to GuardedTrainer's default under Slurm: exit
-86, which the epilog reads. A requeued job runs the same command, and the Trainer resumes from
-the `checkpoint-N` the guard trusts. Rank 0 writes `hf-result.json` into the run directory.
+that Accelerate reads; `framework_results.slurm_task_main`) and runs `hf_workers.train`, the
+very run tests/test_integration_hf.py uses, on `$SLURM_GUARD_RUN_DIR`. The alarm is left to
+GuardedTrainer's default under Slurm: exit 86, which the epilog reads. A requeued job runs the
+same command, and the Trainer resumes from the `checkpoint-N` the guard trusts. Rank 0 writes
+`hf-result.json` into the run directory.
 
 `clean(root)` is the same run without the fault, for `run_local`: the reference the resumed job's
 weights must equal bit for bit.
@@ -16,15 +17,13 @@ weights must equal bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from framework_results import slurm_task_main
 
 import slurm_guard as sg
 
@@ -68,27 +67,7 @@ def clean(root: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from slurm_guard.rundir.records import atomic_write_json
-    from slurm_guard.slurm.launch import RUN_DIR_ENV, init_distributed_from_slurm
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="the Trainer's output_dir (checkpoint-N)")
-    parser.add_argument("--fault-node", default=None, help="Slurm node name of the bad GPU")
-    parser.add_argument("--fault-step", type=int, default=FAULT_STEP)
-    args = parser.parse_args(argv)
-    run_dir = os.environ[RUN_DIR_ENV]
-    task = init_distributed_from_slurm()
-    try:
-        result = run(run_dir, args.out, args.fault_node, args.fault_step)
-        if dist.get_rank() == 0:
-            atomic_write_json(
-                Path(run_dir) / RESULT_FILE,
-                {**result, "restart_count": task.restart_count, "nodes": list(task.nodes)},
-            )
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return slurm_task_main(__doc__, run, RESULT_FILE, FAULT_STEP, argv)
 
 
 if __name__ == "__main__":

@@ -6,12 +6,12 @@ ranks, 2 microbatches per step: nothing is downloaded.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from framework_results import listing, state_sha
 
 import slurm_guard as sg
 
@@ -42,14 +42,6 @@ class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
             embeds = embeds.clone()
             embeds[3, 5] = float("nan")
         return {"inputs_embeds": embeds, "labels": self.ids[i]}
-
-
-def state_sha(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def train(
@@ -160,5 +152,5 @@ def resumed(root: str) -> dict[str, Any]:
     return train(f"{root}/fault-out", f"{root}/fault-run", 8, config, save_steps=1)
 
 
-def listing(path: str) -> list[str]:
-    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("checkpoint-*"))
+def checkpoints(path: str) -> list[str]:
+    return listing(path, "checkpoint-*")

@@ -7,14 +7,13 @@ falls on an epoch end, where Lightning resumes a plain DataLoader exactly): noth
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from framework_results import listing, state_sha
 
 import slurm_guard as sg
 
@@ -68,14 +67,6 @@ def _data(nan: bool) -> Any:
     return torch.utils.data.DataLoader(data, batch_size=BATCH, shuffle=False)
 
 
-def state_sha(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for k, v in sorted(model.state_dict().items()):
-        h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
 def _reseed_like_the_guard() -> Any:
     """For the run without the guard: the RNG of each step as GuardCallback(reseed=True) sets it."""
     import lightning.pytorch as pl
@@ -105,9 +96,15 @@ def train(
     save_every: int = 0,
     nan: bool = False,
     dropout: float = 0.1,
-    exit_on_alarm: bool = False,
+    exit_on_alarm: bool | None = False,
+    keep_one: bool = False,
 ) -> dict[str, Any]:
-    """One `trainer.fit` (resuming from what the guard trusts by itself); the final hash."""
+    """One `trainer.fit` (resuming from what the guard trusts by itself); the final hash.
+
+    `exit_on_alarm` is GuardCallback's: False raises the alarm to the caller, None keeps the
+    callback's default (exit 86 under Slurm). Devices per node come from LOCAL_WORLD_SIZE (all
+    ranks on one "node" under run_local; one a node under srun, where Lightning's
+    SLURMEnvironment checks them against `--ntasks-per-node` and the node count)."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
@@ -137,9 +134,13 @@ def train(
                 save_last=True,
             )
         )
+    if keep_one:  # after every step; top-k deletes the older .ckpt files
+        callbacks.append(ModelCheckpoint(dirpath=f"{out}/top1", every_n_train_steps=1))
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=dist.get_world_size(),
+        devices=devices,
+        num_nodes=dist.get_world_size() // devices,
         strategy=DDPStrategy(process_group_backend="gloo"),
         max_steps=max_steps,
         accumulate_grad_batches=ACCUMULATION,
@@ -171,7 +172,7 @@ def train(
 def clean_and_nan(root: str) -> dict[str, Any]:
     """A clean 9-step run, the same run without the guard, and a run with a NaN sample."""
     config = sg.GuardConfig(replay_every=3, schedule="fixed")
-    clean = train(f"{root}/clean-out", f"{root}/clean-run", 9, config, save_every=3)
+    clean = train(f"{root}/clean-out", f"{root}/clean-run", 9, config, save_every=3, keep_one=True)
     plain = train(f"{root}/plain-out", f"{root}/plain-run", 9, guarded=False)
     try:
         train(f"{root}/nan-out", f"{root}/nan-run", 3, config, nan=True)
@@ -184,21 +185,20 @@ def clean_and_nan(root: str) -> dict[str, Any]:
 def faulty(root: str) -> dict[str, Any]:
     """A persistent gradient fault on node3 from step 4; a checkpoint every 3 steps; exit 86."""
     fault = sg.Fault(kind="grad-scale", node="node3", step=4, persistent=True)
-    config = sg.GuardConfig(replay_every=3, schedule="fixed", faults=(fault,))
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1, faults=(fault,))
     return train(
         f"{root}/fault-out", f"{root}/fault-run", 9, config, save_every=3, exit_on_alarm=True
     )
 
 
 def resumed(root: str) -> dict[str, Any]:
-    """The requeued job (without the faulty node): resumes from what the guard trusts."""
-    config = sg.GuardConfig(replay_every=3, schedule="fixed")
+    """The requeued job (without the faulty node): resumes from what the guard trusts, with
+    `trust_replays=1` the `.ckpt` of step 3 (the passing replay at 3 vouches for it; the
+    default 2 would trust only a start from step 0, which would hide a resume that is not
+    bit-identical)."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1)
     return train(f"{root}/fault-out", f"{root}/fault-run", 9, config, save_every=3)
 
 
-def alarms(run_dir: str) -> list[dict[str, Any]]:
-    return [json.loads(p.read_text()) for p in sorted(Path(run_dir, "alarms").glob("*.json"))]
-
-
-def listing(path: str) -> list[str]:
-    return sorted(str(p.relative_to(path)) for p in Path(path).rglob("*.ckpt"))
+def checkpoints(path: str) -> list[str]:
+    return listing(path, "*.ckpt")

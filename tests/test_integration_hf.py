@@ -80,13 +80,13 @@ def test_persistent_fault_caught_on_its_node_and_resume_skips_later_checkpoints(
     assert all(o.status == "alarm" for o in outs), [o.value for o in outs]
     alarm = outs[0].value
     assert alarm["verdict"] == "sdc" and alarm["suspect_nodes"] == ["node3"]
-    written = hf_workers.listing(str(root / "fault-out"))
+    written = hf_workers.checkpoints(str(root / "fault-out"))
     assert "checkpoint-5" in written  # saved after the onset, before the replay caught it
     outs = _run(hf_workers.resumed, root)
     assert all(o.status == "ok" for o in outs), [o.value for o in outs]
     value = outs[0].value
     assert value["resumed_from"] == 3  # the newest checkpoint the replays vouch for
-    left = [p for p in hf_workers.listing(str(root / "fault-out")) if "quarantine" not in p]
+    left = [p for p in hf_workers.checkpoints(str(root / "fault-out")) if "quarantine" not in p]
     assert all(int(p.split("-")[1]) <= 8 for p in left)
     quarantined = (root / "fault-out" / "slurm-guard-quarantine" / alarm["alarm_id"]).iterdir()
     assert {p.name for p in quarantined} == {"checkpoint-4", "checkpoint-5", "checkpoint-6"}

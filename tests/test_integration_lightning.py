@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from framework_results import alarms
 
 from slurm_guard.local import run_local
 
@@ -42,12 +43,11 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_clean_run_with_accumulation_and_clipping_raises_no_alarm(clean: dict[str, Any]) -> None:
-    import lightning_workers
 
     ranks = clean["ranks"]
     assert len({r["clean"]["sha"] for r in ranks}) == 1
     assert ranks[0]["clean"]["global_step"] == 9
-    assert lightning_workers.alarms(str(clean["root"] / "clean-run")) == []
+    assert alarms(str(clean["root"] / "clean-run")) == []
     # the norm before Lightning's clip is the run's without the guard, up to the last bits
     # (the guard's comm hook sums in its own order); clipping had work to do
     norms, plain = ranks[0]["clean"]["grad_norms"], ranks[0]["plain"]["grad_norms"]
@@ -56,6 +56,12 @@ def test_clean_run_with_accumulation_and_clipping_raises_no_alarm(clean: dict[st
     assert ranks[0]["clean"]["lr"] == ranks[0]["plain"]["lr"]  # the scheduler stepped 9 times
     sealed = list((clean["root"] / "clean-out" / "checkpoints").glob("*.slurm-guard.json"))
     assert len(sealed) >= 3  # step 3, 6, 9 and last.ckpt
+    # a second ModelCheckpoint keeps only the newest .ckpt: the seals of the deleted ones go too
+    top1 = clean["root"] / "clean-out" / "top1"
+    assert {p.name for p in top1.iterdir()} == {
+        "epoch=2-step=9.ckpt",
+        "epoch=2-step=9.ckpt.slurm-guard.json",
+    }
 
 
 def test_a_nan_sample_stops_as_numerical(clean: dict[str, Any]) -> None:
@@ -74,15 +80,26 @@ def test_persistent_fault_caught_on_its_node_exits_86_and_resume_skips_later_che
     assert all(o.status == "ok" and o.value["exit_code"] == 86 for o in outs), [
         o.value for o in outs
     ]
-    (alarm,) = lightning_workers.alarms(str(tmp_path / "fault-run"))
+    (alarm,) = alarms(str(tmp_path / "fault-run"))
     assert alarm["verdict"] == "sdc" and alarm["suspect_nodes"] == ["node3"]
-    written = lightning_workers.listing(str(tmp_path / "fault-out"))
+    written = lightning_workers.checkpoints(str(tmp_path / "fault-out"))
     assert "checkpoints/epoch=1-step=6.ckpt" in written  # after the onset, before the catch
     outs = _run(lightning_workers.resumed, tmp_path)
     assert all(o.status == "ok" for o in outs), [o.value for o in outs]
     value = outs[0].value
-    assert value["resumed_from"] <= 3 and value["global_step"] == 9
+    assert value["resumed_from"] == 3 and value["global_step"] == 9
     quarantined = tmp_path / "fault-out" / "slurm-guard-quarantine" / alarm["alarm_id"]
-    assert {"epoch=1-step=6.ckpt", "last.ckpt"} <= {p.name for p in quarantined.iterdir()}
+    assert {p.name for p in quarantined.glob("*.ckpt")} == {"epoch=1-step=6.ckpt", "last.ckpt"}
+    # after the resume ModelCheckpoint saves again inside step 3 (after its first microbatch):
+    # that .ckpt lacks the accumulated gradient, so it is left unsealed, never resumed from
+    folder = tmp_path / "fault-out" / "checkpoints"
+    sealed = {p.name.removesuffix(".slurm-guard.json") for p in folder.glob("*.slurm-guard.json")}
+    assert (folder / "epoch=1-step=3.ckpt").is_file()
+    assert sealed == {
+        "epoch=0-step=3.ckpt",
+        "epoch=1-step=6.ckpt",
+        "epoch=2-step=9.ckpt",
+        "last.ckpt",
+    }
     # bit-identical to the uninterrupted clean run
     assert value["sha"] == clean["ranks"][0]["clean"]["sha"]

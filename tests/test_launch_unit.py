@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 from datetime import timedelta
@@ -29,8 +30,14 @@ from slurm_guard.slurm.launch import (
     rendezvous_file,
     step_rendezvous_address,
     task_from_env,
+    torchrun_environment,
 )
-from slurm_guard.slurm.parsers import NodeInfo, expand_hostlist
+from slurm_guard.slurm.parsers import (
+    NodeInfo,
+    SlurmParseError,
+    expand_hostlist,
+    parse_tasks_per_node,
+)
 
 DATA = Path(__file__).resolve().parent / "data"
 WEIRD_RUN_DIR = "/shared/we$ird;(run)&%x"
@@ -42,6 +49,8 @@ TASK_ENV = {
     "SLURM_NODEID": "1",
     "SLURM_STEP_NODELIST": "gpu-[07-09]",
     "SLURM_JOB_NODELIST": "gpu-[01-09]",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x3)",
+    "SLURM_TASKS_PER_NODE": "1(x9)",
     "SLURM_JOB_ID": "4242",
     "SLURM_RESTART_COUNT": "2",
     "SLURMD_NODENAME": "gpu-08",
@@ -66,6 +75,47 @@ def test_task_comes_from_the_step_environment() -> None:
     assert task.nodes == ("gpu-07", "gpu-08", "gpu-09")  # the step's nodes, not the job's
     assert task.first_node == "gpu-07"
     assert (task.job_id, task.restart_count, task.node) == ("4242", 2, "gpu-08")
+
+
+def test_tasks_per_node_expands_as_slurm_writes_it() -> None:
+    assert parse_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert parse_tasks_per_node("4") == [4]
+    assert parse_tasks_per_node("1,3(x2)") == [1, 3, 3]
+    for bad in ("", "2(3)", "x", "2(x3"):
+        with pytest.raises(SlurmParseError):
+            parse_tasks_per_node(bad)
+
+
+def test_local_world_size_is_the_steps_count_on_this_node() -> None:
+    assert task_from_env(TASK_ENV).local_world_size == 2  # the step's "2(x3)", not the job's
+    job_only = {k: v for k, v in TASK_ENV.items() if k != "SLURM_STEP_TASKS_PER_NODE"}
+    assert task_from_env({**job_only, "SLURM_TASKS_PER_NODE": "1,4,1"}).local_world_size == 4
+    with pytest.raises(LaunchError, match=r"SLURM_LOCALID=1 outside 0\.\.0"):
+        task_from_env(job_only)  # one task a node, yet this is local rank 1
+    with pytest.raises(LaunchError, match="srun"):
+        task_from_env({k: v for k, v in job_only.items() if k != "SLURM_TASKS_PER_NODE"})
+    with pytest.raises(LaunchError, match="SLURM_NODEID=1 outside"):
+        task_from_env({**TASK_ENV, "SLURM_STEP_TASKS_PER_NODE": "2"})
+
+
+def test_the_environment_is_torchruns_for_frameworks() -> None:
+    """What torchrun --nnodes 3 --nproc-per-node 2 gives the second worker of the second node,
+    so Accelerate, Lightning and HF see the same under srun; never an elastic agent's ids."""
+    env = torchrun_environment(task_from_env(TASK_ENV), "10.1.2.7", 29411)
+    assert env == {
+        "RANK": "3",
+        "WORLD_SIZE": "6",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "3",
+        "ROLE_RANK": "3",
+        "ROLE_WORLD_SIZE": "6",
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "10.1.2.7",
+        "MASTER_PORT": "29411",
+    }
+    assert not any(k.startswith("TORCHELASTIC") for k in env)
 
 
 def test_first_run_has_restart_count_zero() -> None:
@@ -102,10 +152,13 @@ def test_init_joins_a_gloo_group_from_slurm_environment(monkeypatch: pytest.Monk
         "SLURM_NODEID": "0",
         "SLURM_LOCALID": "0",
         "SLURM_STEP_NODELIST": "node-that-does-not-resolve",
+        "SLURM_STEP_TASKS_PER_NODE": "1",
         "SLURMD_NODENAME": "node-that-does-not-resolve",
         PORT_ENV: str(free_port()),
     }
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    port = env[PORT_ENV]
+    task = task_from_env(env)
+    for key in torchrun_environment(task, "", 0):
         monkeypatch.delenv(key, raising=False)
     client = FakeClient({"node-that-does-not-resolve": "127.0.0.1"})
     try:
@@ -113,6 +166,8 @@ def test_init_joins_a_gloo_group_from_slurm_environment(monkeypatch: pytest.Monk
         assert dist.is_initialized() and dist.get_backend() == "gloo"
         assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
         assert task.node == "node-that-does-not-resolve"
+        exported = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")}
+        assert exported == {"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_PORT": port}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""What the framework integrations share: the lazy import, and trust in the framework's checkpoints.
+"""What the framework integrations share: the lazy import, the exit code on an alarm, and trust
+in the framework's checkpoints.
 
 A framework writes its own checkpoints (HF's `checkpoint-N/` folders, Lightning's `.ckpt`
 files), with the state the guard's own checkpoints do not hold (LR scheduler, data position,
@@ -17,6 +18,7 @@ callbacks). The guard ties them to its trust decision instead of copying them:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -29,8 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import local_rank_info
+from slurm_guard.config import GuardConfig
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint import as_hex
+from slurm_guard.guard import exit_on_alarm
 from slurm_guard.rundir.checkpoint import sha256_file
 from slurm_guard.rundir.layout import RunDir, fresh_start_requested
 from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
@@ -58,6 +62,17 @@ def require(module: str, extra: str) -> ModuleType:
             "version you have, e.g. pip install 'torch==<yours>' 'slurm-guard[...]', so pip "
             "does not replace it)"
         ) from exc
+
+
+def exits_on_alarm(choice: bool | None) -> bool:
+    """An integration's `exit_on_alarm` choice; None: on under Slurm (`SLURM_JOB_ID` set),
+    where the epilog reads exit code 86, off elsewhere (the alarm is raised to the caller)."""
+    return choice if choice is not None else bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def alarm_exit(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Inside it, an alarm ends the process with exit code 86 if `enabled`, else it raises."""
+    return exit_on_alarm() if enabled else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -144,6 +159,27 @@ def vote_before_save(core: GuardCore) -> None:
         core.vote(core.step_count - 1)
 
 
+def save_sealed(
+    core: GuardCore,
+    framework: str,
+    framework_steps: int,
+    save: Callable[[], None],
+    checkpoint: Path,
+    seal_path: Path,
+) -> None:
+    """Vote, let the framework write `checkpoint` with `save`, then seal it (every rank calls
+    this). The framework's step count must be the guard's: a checkpoint of steps the guard did
+    not check would be sealed as checked."""
+    if core.step_count != framework_steps:
+        raise GuardError(
+            f"the guard counted {core.step_count} steps, {framework} {framework_steps}: "
+            "was the guard skipped for some steps?"
+        )
+    vote_before_save(core)
+    save()
+    seal_checkpoint(core, checkpoint, seal_path)
+
+
 def seal_checkpoint(core: GuardCore, checkpoint: Path, seal_path: Path) -> None:
     """After the framework saved `checkpoint` on every rank: rank 0 seals it (all must call)."""
     fingerprint = state_fingerprint(core)
@@ -193,6 +229,25 @@ def _run_id(run_dir: RunDir) -> str | None:
     return obj.get("run_id") if isinstance(obj, dict) else None
 
 
+def quarantine(item: Listed, target: Path) -> Path:
+    """Move a checkpoint and its seal into `target`; the checkpoint's new path.
+
+    Never over a file already there: two checkpoint folders may hold the same names (two
+    Lightning ModelCheckpoints' `last.ckpt`), and quarantine never deletes. A clash gets a
+    numbered prefix, the same for the checkpoint and its seal, so they stay a pair.
+    """
+    target.mkdir(parents=True, exist_ok=True)
+    paths = (item.path, item.seal)
+    prefix, n = "", 0
+    while any((target / (prefix + p.name)).exists() for p in paths if p.exists()):
+        n += 1
+        prefix = f"{n}-"
+    for path in paths:
+        if path.exists():  # an HF seal lies inside its folder and has moved with it
+            os.replace(path, target / (prefix + path.name))
+    return target / (prefix + item.path.name)
+
+
 def _plan(
     run_dir: RunDir,
     listed: Sequence[Listed],
@@ -235,12 +290,7 @@ def _plan(
     moved = []
     for item in listed:
         if item.step > step or fresh:
-            target = quarantine_root / tag
-            target.mkdir(parents=True, exist_ok=True)
-            for path in (item.path, item.seal):
-                if path.exists():
-                    os.replace(path, target / path.name)
-            moved.append(item.path.name)
+            moved.append(quarantine(item, quarantine_root / tag).name)
     if moved:
         logger.warning("moved %s to %s", ", ".join(moved), quarantine_root / tag)
     passes = sorted({s for s in window.verified if s <= step})
@@ -251,28 +301,29 @@ def _plan(
 def choose_checkpoint(
     run_dir: RunDir,
     list_checkpoints: Callable[[], Sequence[Listed]],
-    quarantine_root: Path,
-    *,
-    trust_replays: int,
+    output_root: Path,
+    config: GuardConfig,
     requested: Path | None = None,
-    watchdog_seconds: float = 0.0,
 ) -> Chosen:
-    """Every rank: the checkpoint the framework may resume from (rank 0 decides, all agree).
+    """Every rank: the checkpoint the framework may resume from (rank 0 decides, all agree);
+    the newer ones move to `<output_root>/slurm-guard-quarantine/`.
 
     Runs before the guard's core exists (the framework loads before it wraps the model), on
     the default process group. Raises GuardError on every rank when the run directory cannot
     be read or `requested` is not the trusted checkpoint.
     """
+    trust_replays = config.trust_replays
     import torch.distributed as dist
 
     if not dist.is_initialized():
         raise GuardError("torch.distributed is not initialized: the guard needs a DDP run")
-    comm = Collective(None, local_rank_info(dist.get_rank()).node, watchdog_seconds)
+    comm = Collective(None, local_rank_info(dist.get_rank()).node, config.watchdog_seconds)
     item: Listed | None = None
     point: ResumePoint | None = None
     problem = None
     if comm.rank == 0:
         try:
+            quarantine_root = output_root / QUARANTINE_DIR
             item, point = _plan(
                 run_dir, list_checkpoints(), trust_replays, quarantine_root, requested
             )

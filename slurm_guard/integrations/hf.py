@@ -32,8 +32,8 @@ to compare against), `sync_each_batch` accumulation, LOMO optimizers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import os
 import re
 from pathlib import Path
@@ -45,16 +45,15 @@ from torch.nn.parallel import DistributedDataParallel
 from slurm_guard.config import GuardConfig
 from slurm_guard.core.session import GuardCore
 from slurm_guard.errors import GuardError
-from slurm_guard.guard import exit_on_alarm
 from slurm_guard.integrations._frameworks import (
-    QUARANTINE_DIR,
     Chosen,
     Listed,
+    alarm_exit,
     choose_checkpoint,
+    exits_on_alarm,
     finish_resume,
     require,
-    seal_checkpoint,
-    vote_before_save,
+    save_sealed,
 )
 from slurm_guard.rundir.layout import RunDir
 
@@ -101,11 +100,7 @@ class GuardedTrainer(_Trainer):  # type: ignore[misc]
         self.guard_config = config
         self.guard_run_dir = RunDir(guard_run_dir)
         self.guard: GuardCore | None = None  # made once the Trainer wrapped the model in DDP
-        self._guard_exit = (
-            guard_exit_on_alarm
-            if guard_exit_on_alarm is not None
-            else bool(os.environ.get("SLURM_JOB_ID"))
-        )
+        self._guard_exit = exits_on_alarm(guard_exit_on_alarm)
         self._guard_losses: list[torch.Tensor] = []
         self._guard_apply = True
         self._guard_chosen: Chosen | None = None
@@ -125,21 +120,17 @@ class GuardedTrainer(_Trainer):  # type: ignore[misc]
         requested = None
         if not isinstance(resume_from_checkpoint, (bool, type(None))):
             requested = Path(resume_from_checkpoint)
-        with self._alarm_exit():
+        with alarm_exit(self._guard_exit):
             root = Path(self.args.output_dir)
             self._guard_chosen = choose_checkpoint(
                 self.guard_run_dir,
                 lambda: self._list_checkpoints(root),
-                root / QUARANTINE_DIR,
-                trust_replays=self.guard_config.trust_replays,
-                requested=requested,
-                watchdog_seconds=self.guard_config.watchdog_seconds,
+                root,
+                self.guard_config,
+                requested,
             )
             path = self._guard_chosen.path
             return super().train(str(path) if path is not None else None, *args, **kwargs)
-
-    def _alarm_exit(self) -> contextlib.AbstractContextManager[None]:
-        return exit_on_alarm() if self._guard_exit else contextlib.nullcontext()
 
     @staticmethod
     def _list_checkpoints(root: Path) -> list[Listed]:
@@ -264,16 +255,10 @@ class GuardedTrainer(_Trainer):  # type: ignore[misc]
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
         """Vote, let the Trainer save checkpoint-N, then seal it (every rank calls this)."""
-        guard = self._require_guard()
-        if guard.step_count != self.state.global_step:
-            raise GuardError(
-                f"the guard counted {guard.step_count} steps, the Trainer "
-                f"{self.state.global_step}: was the guard skipped for some steps?"
-            )
-        vote_before_save(guard)
-        super()._save_checkpoint(model, trial)
-        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
-        seal_checkpoint(guard, folder, folder / SEAL_NAME)
+        steps = self.state.global_step
+        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{steps}"
+        save = functools.partial(super()._save_checkpoint, model, trial)
+        save_sealed(self._require_guard(), "the Trainer", steps, save, folder, folder / SEAL_NAME)
 
 
 __all__ = ["SEAL_NAME", "GuardedTrainer"]

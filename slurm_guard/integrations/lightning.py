@@ -32,6 +32,7 @@ uninterrupted run's. Not covered (refused): manual optimization, several optimiz
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 from collections.abc import Iterator, Mapping
@@ -44,16 +45,15 @@ from torch.nn.parallel import DistributedDataParallel
 from slurm_guard.config import GuardConfig
 from slurm_guard.core.session import GuardCore
 from slurm_guard.errors import GuardError, SilentDataCorruption
-from slurm_guard.guard import exit_on_alarm
 from slurm_guard.integrations._frameworks import (
-    QUARANTINE_DIR,
     Chosen,
     Listed,
+    alarm_exit,
     choose_checkpoint,
+    exits_on_alarm,
     finish_resume,
     require,
-    seal_checkpoint,
-    vote_before_save,
+    save_sealed,
 )
 from slurm_guard.rundir.layout import RunDir
 
@@ -128,9 +128,7 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         self.guard_config = config
         self.run_dir = RunDir(run_dir)
         self.guard: GuardCore | None = None  # made at on_train_start, once the state is loaded
-        self.exit_on_alarm = (
-            exit_on_alarm if exit_on_alarm is not None else bool(os.environ.get("SLURM_JOB_ID"))
-        )
+        self.exit_on_alarm = exits_on_alarm(exit_on_alarm)
         self.reseed = reseed
         self.chosen: Chosen | None = None  # what the resume loaded (None: not resumed by fit)
         self._base_seed = 0
@@ -166,6 +164,15 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         self._patch(connector, "_restore_modules_and_callbacks", restore)
         saver = trainer.save_checkpoint
         self._patch(trainer, "save_checkpoint", lambda *a, **k: self._save(saver, *a, **k))
+        remover = trainer.strategy.remove_checkpoint
+
+        def remove(filepath: Any) -> None:
+            """ModelCheckpoint's top-k deletes a `.ckpt` (rank 0): its seal goes with it."""
+            remover(filepath)
+            if trainer.is_global_zero:
+                seal_path(Path(filepath)).unlink(missing_ok=True)
+
+        self._patch(trainer.strategy, "remove_checkpoint", remove)
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
         self._restore.append((obj, name, obj.__dict__.get(name)))
@@ -188,10 +195,9 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         return choose_checkpoint(
             self.run_dir,
             lambda: self._list_checkpoints(trainer),
-            root / QUARANTINE_DIR,
-            trust_replays=self.guard_config.trust_replays,
-            requested=requested,
-            watchdog_seconds=self.guard_config.watchdog_seconds,
+            root,
+            self.guard_config,
+            requested,
         )
 
     @staticmethod
@@ -319,7 +325,7 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """An alarm ends the process with exit code 86 when `exit_on_alarm` is on."""
         if self.exit_on_alarm and isinstance(exception, SilentDataCorruption):
-            with exit_on_alarm():
+            with alarm_exit(True):
                 raise exception
 
     # ---------------------------------------------------------------- checkpoints
@@ -334,8 +340,12 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         """Vote, let Lightning write the `.ckpt`, then seal it (every rank calls this).
 
         Not sealed, so never resumed from: saves before the first guarded step, weights-only
-        saves, and SLURM's `hpc_ckpt_*` (written from a signal handler at any point of a step,
-        where the vote's collective could meet another rank's all-reduce).
+        saves, SLURM's `hpc_ckpt_*` (written from a signal handler at any point of a step,
+        where the vote's collective could meet another rank's all-reduce), and saves inside a
+        step (microbatches captured, the update not done): a `.ckpt` holds no accumulated
+        gradients, so a resume from it would lose them. ModelCheckpoint writes one after every
+        resume: its `every_n_train_steps` test passes again after the first microbatch of the
+        resumed step, as the count of its last save is not in the `.ckpt`.
         """
         path = Path(filepath)
         guard = self.guard
@@ -344,17 +354,14 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
             or guard.step_count == 0
             or weights_only
             or path.name.startswith("hpc_ckpt_")
+            or self._captured
+            or self._pending
         ):
             save(filepath, weights_only, storage_options)
             return
-        if guard.step_count != self._trainer.global_step:
-            raise GuardError(
-                f"the guard counted {guard.step_count} steps, Lightning "
-                f"{self._trainer.global_step}: was the guard skipped for some steps?"
-            )
-        vote_before_save(guard)
-        save(filepath, weights_only, storage_options)
-        seal_checkpoint(guard, path, seal_path(path))
+        steps = self._trainer.global_step
+        write = functools.partial(save, filepath, weights_only, storage_options)
+        save_sealed(guard, "Lightning", steps, write, path, seal_path(path))
 
 
 @contextlib.contextmanager

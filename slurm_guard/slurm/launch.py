@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from slurm_guard.errors import GuardError
 from slurm_guard.protocol import COMMENT_KEY, DEFAULT_STATE_DIR
-from slurm_guard.slurm.parsers import expand_hostlist
+from slurm_guard.slurm.parsers import SlurmParseError, expand_hostlist, parse_tasks_per_node
 from slurm_guard.slurm.polling import poll
 
 if TYPE_CHECKING:
@@ -83,6 +83,8 @@ class SlurmTask:
         job_id: `SLURM_JOB_ID`.
         restart_count: `SLURM_RESTART_COUNT` (unset, so 0, on a job's first run).
         node: this task's node name (`SLURMD_NODENAME`).
+        local_world_size: tasks of the step on this node (`SLURM_STEP_TASKS_PER_NODE`, the
+            `SLURM_NODEID`-th count).
     """
 
     rank: int
@@ -93,6 +95,7 @@ class SlurmTask:
     job_id: str
     restart_count: int
     node: str
+    local_world_size: int
 
     @property
     def first_node(self) -> str:
@@ -138,7 +141,53 @@ def task_from_env(env: Mapping[str, str] | None = None) -> SlurmTask:
         raise LaunchError("SLURM_JOB_ID is not set: run inside a Slurm job")
     restart = int(e.get("SLURM_RESTART_COUNT") or 0)
     node = e.get("SLURMD_NODENAME") or (nodes[node_rank] if node_rank < len(nodes) else "")
-    return SlurmTask(rank, world, local, node_rank, nodes, job_id, restart, node)
+    local_world = _tasks_on_node(e, node_rank)
+    if not 0 <= local < local_world:
+        raise LaunchError(f"SLURM_LOCALID={local} outside 0..{local_world - 1} (tasks per node)")
+    return SlurmTask(rank, world, local, node_rank, nodes, job_id, restart, node, local_world)
+
+
+def _tasks_on_node(env: Mapping[str, str], node_rank: int) -> int:
+    """This node's task count: the step's (srun) over the job's (sbatch), as for the nodes."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        value = env.get(name)
+        if not value:
+            continue
+        try:
+            counts = parse_tasks_per_node(value)
+        except SlurmParseError as exc:
+            raise LaunchError(f"{name}: {exc}") from None
+        if not 0 <= node_rank < len(counts):
+            raise LaunchError(f"SLURM_NODEID={node_rank} outside {name}={value!r}")
+        return counts[node_rank]
+    raise LaunchError(
+        "neither SLURM_STEP_TASKS_PER_NODE nor SLURM_TASKS_PER_NODE is set: cannot tell how "
+        "many tasks share this node; run under srun"
+    )
+
+
+def torchrun_environment(task: SlurmTask, address: str, port: int) -> dict[str, str]:
+    """The variables torchrun gives each worker, from the Slurm task (what frameworks read).
+
+    Accelerate sizes its CPU thread pool by LOCAL_WORLD_SIZE, Lightning's and HF's launch
+    checks read RANK/LOCAL_RANK/WORLD_SIZE, torchelastic-aware code reads GROUP_RANK (the node's
+    index) and the ROLE_* pair. The TORCHELASTIC_* variables are left out on purpose: they
+    claim an elastic agent that restarts workers, and frameworks that see them
+    (`torch.distributed.is_torchelastic_launched()`) pick torchrun's environment over Slurm's.
+    """
+    return {
+        "RANK": str(task.rank),
+        "WORLD_SIZE": str(task.world_size),
+        "LOCAL_RANK": str(task.local_rank),
+        "LOCAL_WORLD_SIZE": str(task.local_world_size),
+        "GROUP_RANK": str(task.node_rank),
+        "GROUP_WORLD_SIZE": str(len(task.nodes)),
+        "ROLE_RANK": str(task.rank),
+        "ROLE_WORLD_SIZE": str(task.world_size),
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": address,
+        "MASTER_PORT": str(port),
+    }
 
 
 def port_for_job(job_id: str, restart_count: int = 0) -> int:
@@ -309,8 +358,9 @@ def init_distributed_from_slurm(
     """Join the job's process group from inside a Slurm task; return the task's description.
 
     Backend `nccl` (and this task's GPU, by local rank) when CUDA is available, else `gloo`.
-    Also exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT for code that reads
-    them. The address comes from `step_rendezvous_address` (Slurm asked by rank 0 only);
+    Also exports what torchrun sets (`torchrun_environment`: RANK, LOCAL_RANK,
+    LOCAL_WORLD_SIZE, MASTER_ADDR...), so frameworks see under srun what they see under
+    torchrun. The address comes from `step_rendezvous_address` (Slurm asked by rank 0 only);
     `timeout` bounds both the wait for it and the process-group set-up. Raises LaunchError with
     the fix when Slurm's environment is incomplete or rank 0 never published the address.
     """
@@ -327,15 +377,7 @@ def init_distributed_from_slurm(
     if use_cuda:
         torch.cuda.set_device(task.local_rank % torch.cuda.device_count())
     backend = "nccl" if use_cuda else "gloo"
-    os.environ.update(
-        {
-            "RANK": str(task.rank),
-            "WORLD_SIZE": str(task.world_size),
-            "LOCAL_RANK": str(task.local_rank),
-            "MASTER_ADDR": address,
-            "MASTER_PORT": str(port),
-        }
-    )
+    os.environ.update(torchrun_environment(task, address, port))
     logger.info(
         "rank %d/%d on %s joins %s at %s:%d",
         task.rank,
@@ -598,5 +640,6 @@ __all__ = [
     "step_rendezvous_address",
     "task_from_env",
     "template_path",
+    "torchrun_environment",
     "wait_for_address",
 ]

@@ -58,6 +58,7 @@ __all__ = [
     "parse_nodes",
     "parse_sbatch_parsable",
     "parse_slurm_version",
+    "parse_tasks_per_node",
 ]
 
 
@@ -418,3 +419,23 @@ def expand_hostlist(expr: str) -> list[str]:
     for item in _split_top_level(expr):
         names.extend(_expand_one(item.strip(), expr))
     return names
+
+
+_TASKS_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def parse_tasks_per_node(value: str) -> list[int]:
+    """Expand ``SLURM_TASKS_PER_NODE`` (``2(x3),1``: 2 tasks on each of 3 nodes, then 1).
+
+    One count per node, in the order of the node list, so ``SLURM_NODEID`` indexes it.
+    """
+    counts: list[int] = []
+    for item in value.strip().split(","):
+        match = _TASKS_ITEM.match(item.strip())
+        if match is None:
+            raise SlurmParseError(f"bad tasks-per-node item {item!r} in {value!r}")
+        repeat = int(match.group(2) or 1)
+        if repeat > 100_000:
+            raise SlurmParseError(f"bad tasks-per-node item {item!r} in {value!r}")
+        counts.extend([int(match.group(1))] * repeat)
+    return counts
