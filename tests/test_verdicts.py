@@ -221,3 +221,14 @@ def test_fast_vote_passes_only_when_every_replica_agrees() -> None:
                 assert not same_on_every_rank(maxima(odd), 2), (rank, lane, delta)
     assert not same_on_every_rank(maxima(fingerprints)[:3], 2)  # an unexpected shape
     assert not same_on_every_rank([], 0)
+
+
+def test_no_loop_hint_when_one_node_takes_part_in_every_failed_comparison() -> None:
+    """On two nodes every comparison spans both, so a persistent gradient fault on one node
+    fails them all with every loss exact: ambiguous, and no hint that blames the loop (seen
+    with ShardedGuard's ranks on nodes [a, a, b, b])."""
+    t = topo(["a", "a", "b", "b"])
+    res = [ReplayResult(o, t.replayer[o], 7, 1, 7, 2) for o in range(4)]
+    j = judge_replays(res, t)
+    assert j.finding is not None and j.finding.verdict == "ambiguous"
+    assert "loss_fn" not in j.finding.message

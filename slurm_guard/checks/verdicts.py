@@ -133,16 +133,19 @@ def judge_replays(results: list[ReplayResult], topology: Topology) -> ReplayJudg
             Verdict.AMBIGUOUS,
             tuple(involved),
             f"{len(failed)} replay comparisons failed with no common rank or node "
-            "(several faults, or too few nodes to attribute)" + _loop_hint(failed, results),
+            "(several faults, or too few nodes to attribute)"
+            + ("" if common_nodes else _loop_hint(failed, results)),
             evidence,
         )
     )
 
 
 def _loop_hint(failed: list[ReplayResult], results: list[ReplayResult]) -> str:
-    """Every loss reproduced bit for bit but no gradient did: one fault on every node at once is
-    far less likely than a loop whose backward is not `loss_fn`'s, so the message says so (the
-    verdict stays ambiguous: nothing is trusted that could not be verified)."""
+    """Every loss reproduced bit for bit but no gradient did, and no node takes part in every
+    failed comparison (the caller's condition): one fault on every node at once is far less
+    likely than a loop whose backward is not `loss_fn`'s, so the message says so (the verdict
+    stays ambiguous: nothing is trusted that could not be verified). On two nodes every
+    comparison spans both, so one node's fault explains it: no hint there."""
     if len(failed) < len(results) or len(results) < 3:
         return ""
     if any(r.discrepancy is not None or r.owner_loss != r.replay_loss for r in failed):
