@@ -42,12 +42,19 @@ def listing(path: str, pattern: str) -> list[str]:
 
 
 def slurm_task_main(
-    doc: str, run: SlurmRun, result_file: str, fault_step: int, argv: Sequence[str] | None
+    doc: str,
+    run: SlurmRun,
+    result_file: str,
+    fault_step: int,
+    argv: Sequence[str] | None,
+    join: bool = True,
 ) -> int:
-    """One srun task: join the process group from Slurm, `run`, rank 0 writes `result_file`
-    into `$SLURM_GUARD_RUN_DIR`. Returns the run's exit code (86 after an alarm)."""
+    """One srun task: join the process group from Slurm (`join`; else the framework joins it
+    from the torchrun variables `slurm-guard task` exported), `run`, rank 0 writes
+    `result_file` into `$SLURM_GUARD_RUN_DIR`. Returns the run's exit code (86 after an
+    alarm)."""
     from slurm_guard.rundir.records import atomic_write_json
-    from slurm_guard.slurm.launch import RUN_DIR_ENV, init_distributed_from_slurm
+    from slurm_guard.slurm.launch import RUN_DIR_ENV, init_distributed_from_slurm, task_from_env
 
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--out", required=True, help="the framework's output (checkpoints)")
@@ -55,7 +62,7 @@ def slurm_task_main(
     parser.add_argument("--fault-step", type=int, default=fault_step)
     args = parser.parse_args(argv)
     run_dir = os.environ[RUN_DIR_ENV]
-    task = init_distributed_from_slurm()
+    task = init_distributed_from_slurm() if join else task_from_env()
     try:
         result = run(run_dir, args.out, args.fault_node, args.fault_step)
         code = int(result.get("exit_code") or 0)

@@ -3,13 +3,13 @@
     slurm-guard submit --run-dir RUN --nodes 3 -- python tests/hf_slurm_train.py --out OUT \\
         --fault-node node2 --fault-step 4
 
-Every task joins the process group from Slurm's environment
-(`slurm_guard.slurm.launch.init_distributed_from_slurm`, which also exports torchrun's variables
-that Accelerate reads; `framework_results.slurm_task_main`) and runs `hf_workers.train`, the
-very run tests/test_integration_hf.py uses, on `$SLURM_GUARD_RUN_DIR`. The alarm is left to
-GuardedTrainer's default under Slurm: exit 86, which the epilog reads. A requeued job runs the
-same command, and the Trainer resumes from the `checkpoint-N` the guard trusts. Rank 0 writes
-`hf-result.json` into the run directory.
+The script is written as for torchrun: it never joins the process group itself; the Trainer
+(Accelerate) does, from the torchrun variables that the sbatch template's `slurm-guard task`
+exports from Slurm's (`framework_results.slurm_task_main(join=False)`). It runs
+`hf_workers.train`, the very run tests/test_integration_hf.py uses, on `$SLURM_GUARD_RUN_DIR`.
+The alarm is left to GuardedTrainer's default under Slurm: exit 86, which the epilog reads. A
+requeued job runs the same command, and the Trainer resumes from the `checkpoint-N` the guard
+trusts. Rank 0 writes `hf-result.json` into the run directory.
 
 `clean(root)` is the same run without the fault, for `run_local`: the reference the resumed job's
 weights must equal bit for bit.
@@ -67,7 +67,7 @@ def clean(root: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return slurm_task_main(__doc__, run, RESULT_FILE, FAULT_STEP, argv)
+    return slurm_task_main(__doc__, run, RESULT_FILE, FAULT_STEP, argv, join=False)
 
 
 if __name__ == "__main__":

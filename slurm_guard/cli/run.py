@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -315,8 +316,38 @@ def local_cmd(nprocs: int, grace: float, command: tuple[str, ...]) -> None:
     raise SystemExit(run_script(command, nprocs, grace_seconds=grace))
 
 
+@click.command("task", context_settings={"ignore_unknown_options": True})
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def task_cmd(command: tuple[str, ...]) -> None:
+    """Run COMMAND in this Slurm task as torchrun would run a worker.
+
+    Sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT
+    (and the ROLE_* pair) from Slurm's task variables, then replaces itself with COMMAND. A
+    script written for torchrun (the HF Trainer, Accelerate, init_process_group on env://) then
+    runs under srun unchanged; the sbatch template starts every task through it. Rank 0 asks
+    Slurm for the first node's address once per step (through the run directory).
+
+    Example:
+
+        \b
+        srun slurm-guard task -- python train.py
+    """
+    from slurm_guard.slurm.launch import LaunchError, task_environment
+
+    try:
+        _, exported = task_environment()
+    except LaunchError as exc:
+        raise click.ClickException(str(exc)) from None
+    os.environ.update(exported)
+    try:
+        os.execvp(command[0], list(command))
+    except OSError as exc:
+        raise click.ClickException(f"cannot run {command[0]!r}: {exc.strerror}") from None
+
+
 def register_run_commands(group: click.Group) -> None:
     """Attach the run commands to the top-level group."""
+    group.add_command(task_cmd)
     group.add_command(local_cmd)
     group.add_command(drill_cmd)
     group.add_command(submit_cmd)

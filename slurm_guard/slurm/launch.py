@@ -350,6 +350,22 @@ def _forget_earlier_runs(path: Path, task: SlurmTask) -> None:
                 old.unlink()
 
 
+def task_environment(
+    client: SlurmClient | Callable[[], SlurmClient] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: datetime.timedelta = DEFAULT_INIT_TIMEOUT,
+) -> tuple[SlurmTask, dict[str, str]]:
+    """This Slurm task and what torchrun would have given it (`torchrun_environment`), plus the
+    resolved address and port under `ADDR_ENV` / `PORT_ENV`, so that a later
+    `init_distributed_from_slurm` in the same task asks Slurm nothing."""
+    task = task_from_env(env)
+    e = os.environ if env is None else env
+    port = int(e.get(PORT_ENV) or port_for_job(task.job_id, task.restart_count))
+    address = step_rendezvous_address(task, client, e, timeout)
+    exported = torchrun_environment(task, address, port)
+    return task, {**exported, ADDR_ENV: address, PORT_ENV: str(port)}
+
+
 def init_distributed_from_slurm(
     client: SlurmClient | Callable[[], SlurmClient] | None = None,
     env: Mapping[str, str] | None = None,
@@ -367,17 +383,15 @@ def init_distributed_from_slurm(
     import torch
     import torch.distributed as dist
 
-    task = task_from_env(env)
     if dist.is_initialized():
-        return task
-    e = os.environ if env is None else env
-    port = int(e.get(PORT_ENV) or port_for_job(task.job_id, task.restart_count))
-    address = step_rendezvous_address(task, client, e, timeout)
+        return task_from_env(env)
+    task, exported = task_environment(client, env, timeout)
+    address, port = exported[ADDR_ENV], int(exported[PORT_ENV])
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(task.local_rank % torch.cuda.device_count())
     backend = "nccl" if use_cuda else "gloo"
-    os.environ.update(torchrun_environment(task, address, port))
+    os.environ.update(exported)
     logger.info(
         "rank %d/%d on %s joins %s at %s:%d",
         task.rank,
