@@ -2,7 +2,8 @@
 compiler behind a logging wrapper ($CC: a script that logs its arguments and execs gcc), an
 empty kernel cache. Construction runs each library's compile once for all the ranks of the
 node; the first steps, the first replay and the first vote compile nothing more. Without a
-working compiler the guard trains on the torch versions (no exception)."""
+working compiler the guard trains on the torch versions (no exception). A warm-up that raises
+on one rank (a damaged library in its node's cache) stops every rank with the same error."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from warm_workers import GCC, compiles_around_setup, logging_compiler
+from warm_workers import GCC, compiles_around_setup, logging_compiler, warm_up_fails_on_one_rank
 
 from slurm_guard.core.setup import bucket_numels
 from slurm_guard.local.launch import run_local
@@ -69,6 +70,28 @@ def test_without_a_working_compiler_guard_trains_on_the_torch_versions(tmp_path:
     for o in outcomes:
         assert o.value["native"] == dict.fromkeys(SOURCES, "torch"), o.value
         assert o.value["verified"] == [0, 2], o.value
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(GCC is None, reason="needs gcc to build the damaged library")
+def test_a_warm_up_failure_on_one_rank_stops_every_rank_with_the_same_error(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    outcomes = run_local(
+        warm_up_fails_on_one_rank,
+        3,
+        args=(str(run_dir), str(tmp_path / "bad-cache")),
+        nodes=["node1", "node2", "node3"],
+        extra_env={"CC": str(GCC), "SLURM_GUARD_CACHE": str(tmp_path / "cache")},
+    )
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+    messages = {o.value for o in outcomes}
+    assert len(messages) == 1, messages  # the very same error on every rank
+    (message,) = messages
+    assert message.startswith("RankFailed: kernel warm-up"), message
+    assert "rank 1 (node2)" in message and "sg_check" in message, message
 
 
 def test_without_ddp_the_buckets_are_one_of_the_whole_gradient() -> None:

@@ -3,7 +3,9 @@ after its first steps, for the kernel build and set-up warm-up tests."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +15,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from workers import SMALL
 
 import slurm_guard as sg
+from slurm_guard.comm.errors import RankFailed
 from slurm_guard.core.setup import bucket_numels
 from slurm_guard.examples.tiny_gpt import TinyGPT, lm_loss, make_batch
+from slurm_guard.kernels import build, native, sketch
 
 GCC = shutil.which("gcc")
 
@@ -56,3 +60,28 @@ def compiles_around_setup(run_dir: str, log: str, steps: int) -> dict[str, Any]:
         "verified": list(guard.verified_steps),
         "voted_at": guard.voted_at,
     }
+
+
+def warm_up_fails_on_one_rank(run_dir: str, bad_cache: str) -> str:
+    """Rank 1's kernel cache holds a bucket-check library without its symbols (a damaged node
+    cache: it loads, then its wrapper raises); `Guard()` must stop every rank alike."""
+    if dist.get_rank() == 1:
+        os.environ["SLURM_GUARD_CACHE"] = bad_cache
+        cc = build.compiler()
+        assert cc is not None
+        name = sketch.C_SOURCE
+        target = Path(bad_cache) / native.library_name(
+            name, sketch.kernel_defines(), cc, native.NATIVE_FLAGS
+        )
+        target.parent.mkdir(parents=True, exist_ok=True)
+        empty = target.with_suffix(".c")
+        empty.write_text("int sg_nothing(void) { return 0; }\n")
+        subprocess.run([cc, "-shared", "-fPIC", "-o", str(target), str(empty)], check=True)
+    torch.manual_seed(0)
+    ddp = DDP(TinyGPT(SMALL))
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    try:
+        sg.Guard(ddp, opt, lm_loss, run_dir)
+    except RankFailed as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
