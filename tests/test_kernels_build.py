@@ -29,12 +29,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from warm_workers import GCC, logging_compiler
 
 from slurm_guard.kernels import build, warm
 from slurm_guard.kernels import triton_kernels as tk
 
 REPO = Path(__file__).resolve().parents[1]
-GCC = shutil.which("gcc")
 needs_gcc = pytest.mark.skipif(GCC is None, reason="needs gcc for the logging compiler wrapper")
 SOURCES = ("bucket_check.c", "nh_fingerprint.c", "abft_check.c")
 
@@ -69,14 +69,6 @@ else:
 print(json.dumps({"native": report.native, "backend": bucket.backend(torch.device("cpu")),
                   "check": same_check, "fingerprint": same_fp, "abft": same_abft}))
 """
-
-
-def _wrapper(tmp_path: Path) -> tuple[Path, Path]:
-    log = tmp_path / "cc.log"
-    cc = tmp_path / "logging-cc"
-    cc.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {GCC} "$@"\n')
-    cc.chmod(0o755)
-    return cc, log
 
 
 def _compiles(log: Path) -> Counter[str]:
@@ -126,7 +118,7 @@ def _all_right(result: dict[str, object]) -> bool:
 
 @needs_gcc
 def test_eight_concurrent_processes_compile_each_library_once(tmp_path: Path) -> None:
-    cc, log = _wrapper(tmp_path)
+    cc, log = logging_compiler(tmp_path)
     results = _workers(_env(tmp_path, CC=str(cc)), 8, tmp_path)
     assert _compiles(log) == Counter(dict.fromkeys(SOURCES, 1)), log.read_text()
     for result, stderr in results:
@@ -140,7 +132,7 @@ def test_eight_concurrent_processes_compile_each_library_once(tmp_path: Path) ->
 
 @needs_gcc
 def test_warm_up_loads_every_kernel_and_later_calls_compile_nothing(tmp_path: Path) -> None:
-    cc, log = _wrapper(tmp_path)
+    cc, log = logging_compiler(tmp_path)
     env = _env(tmp_path, CC=str(cc))
     [(first, _)] = _workers(env, 1, tmp_path)
     assert first["native"] == dict.fromkeys(SOURCES, "built")
@@ -154,7 +146,7 @@ def test_warm_up_loads_every_kernel_and_later_calls_compile_nothing(tmp_path: Pa
 
 @needs_gcc
 def test_prebuild_command_builds_once_and_reports(tmp_path: Path) -> None:
-    cc, log = _wrapper(tmp_path)
+    cc, log = logging_compiler(tmp_path)
     env = _env(tmp_path, CC=str(cc))
     cmd = [sys.executable, "-m", "slurm_guard.kernels"]
     first = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -227,7 +219,7 @@ def test_triton_is_unavailable_without_a_c_compiler_with_one_warning(
 def test_triton_launcher_check_compiles_once_per_node(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    cc, log = _wrapper(tmp_path)
+    cc, log = logging_compiler(tmp_path)
     monkeypatch.setenv("CC", str(cc))
     assert tk.launcher_compiler() == str(cc)  # $CC as Triton takes it
     assert tk.launcher_problem() is None

@@ -73,6 +73,7 @@ from slurm_guard.core.setup import (
     announce_faults,
     check_same_setup,
     prepare_run_dir,
+    warm_kernels,
     warn_small_world,
 )
 from slurm_guard.core.state import ReplicatedState
@@ -142,6 +143,7 @@ class GuardCore(StepCalls):
         if not self.params:
             raise GuardError("the model has no trainable parameters: there is nothing to guard")
         prepare_run_dir(self.comm, self.run_dir.root)
+        self.kernels = warm_kernels(self.comm, model, self.params)  # once per node, not at step 9
         self.topology = Topology.build(gather_rank_infos(me, comm=self.comm))
         warn_small_world(self.topology, self.rank)
         # Before the seed and the checks: everything after writes into this directory.
@@ -156,8 +158,7 @@ class GuardCore(StepCalls):
         )
         self.attempt = self.opened.attempt
         self.run_id = self.opened.run_id
-        # NH first level (native kernel where a C compiler is found, the same values in torch
-        # ops elsewhere), then the multilinear tree.
+        # NH first level (the C kernel warmed above, or torch ops), then the multilinear tree
         seed = agree_on_seed(self.comm, self.config, self.run_dir)
         self.fingerprinter: Fingerprinter = FastFingerprinter(seed)
         self.faults: tuple[Fault, ...] = self.comm.agree(

@@ -23,12 +23,14 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import Topology
 from slurm_guard.config import ConfigError, GuardConfig
 from slurm_guard.errors import GuardError
 from slurm_guard.faults.injection import Fault
+from slurm_guard.kernels.warm import WarmUpReport, warm_up
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import RecordError, read_json_file
 
@@ -227,3 +229,43 @@ def agree_on_seed(comm: Collective, config: GuardConfig, run_dir: RunDir) -> int
         with contextlib.suppress(RecordError, KeyError, TypeError, ValueError):
             seed = int(read_json_file(run_dir.run_file)["seed"])
     return comm.broadcast_ints([seed])[0]
+
+
+def bucket_numels(ddp: DistributedDataParallel | None, params: Sequence[torch.Tensor]) -> list[int]:
+    """Element counts of what the kernels will check: DDP's buckets (from its logging data,
+    in bytes; absent, or with mixed dtypes, the whole gradient as one bucket instead) and
+    each gradient on its own (the replay's finite check), so that Triton compiles each size's
+    specialization at set-up and not inside the comm hook at step 0."""
+    numels = [p.numel() for p in params]
+    dtypes = {p.dtype for p in params}
+    sizes = ""
+    if ddp is not None and len(dtypes) == 1:
+        with contextlib.suppress(Exception):  # a private API: any failure means the fallback
+            data = ddp._get_ddp_logging_data()  # type: ignore[no-untyped-call]
+            sizes = str(data.get("bucket_sizes", ""))
+    try:
+        size = torch.empty(0, dtype=next(iter(dtypes))).element_size()
+        buckets = [int(b) // size for b in sizes.split(",") if b.strip()]
+    except (ValueError, StopIteration):
+        buckets = []
+    return [*(buckets or [sum(numels)]), *numels]
+
+
+def warm_kernels(
+    comm: Collective, ddp: DistributedDataParallel | None, params: Sequence[torch.Tensor]
+) -> WarmUpReport:
+    """Load the C kernels and compile the Triton ones at `Guard()`, never at step 9.
+
+    Why here: a kernel built at its first use compiles inside the comm hook or the first vote,
+    on every rank at once, and a compiler missing on one node would fail there. `warm_up`
+    builds each library once per node (the others wait on its lock) and falls back to the
+    torch version with one warning when a compile fails; anything else it raises reaches every
+    rank through the agreement, so all stop with the same named error.
+    """
+    device = params[0].device if params else None
+    numels = bucket_numels(ddp, params)
+    dtypes = sorted({p.dtype for p in params}, key=str) or [torch.float32]
+    return comm.agree(
+        lambda: warm_up(device, bucket_numels=numels, dtypes=dtypes, world_size=comm.world_size),
+        "kernel warm-up (slurm_guard.kernels)",
+    )

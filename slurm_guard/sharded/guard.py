@@ -30,7 +30,12 @@ from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_in
 from slurm_guard.config import GuardConfig
 from slurm_guard.core import decide
 from slurm_guard.core.calls import StepCalls, StepPlan
-from slurm_guard.core.setup import agree_on_seed, check_same_setup, prepare_run_dir
+from slurm_guard.core.setup import (
+    agree_on_seed,
+    check_same_setup,
+    prepare_run_dir,
+    warm_kernels,
+)
 from slurm_guard.errors import GuardError
 from slurm_guard.faults import Fault, FaultInjector, faults_from_env
 from slurm_guard.faults.injection import BACKWARD_KINDS, flip_bit
@@ -118,6 +123,7 @@ class ShardedGuard(StepCalls):
         mesh_field = {"mesh (replicas x shards)": repr((self.mesh.replicas, self.mesh.shards))}
         check_same_setup(self.comm, self.config, self.params, mesh_field)
         prepare_run_dir(self.comm, self.run_dir.root)
+        self.kernels = warm_kernels(self.comm, None, self.params)  # no DDP buckets under FSDP
         self.topology = Topology.build(gather_rank_infos(me, comm=self.comm))
         self.opened = open_run_dir(
             self.comm,
