@@ -4,8 +4,9 @@ submits.
     slurm-guard submit --run-dir RUN --nodes 3 -- python tests/lightning_slurm_train.py \\
         --out OUT --fault-node node2
 
-Every task joins the process group from Slurm's environment (`init_distributed_from_slurm`,
-through `framework_results.slurm_task_main`) and runs `lightning_workers.train`, the very run
+The script never joins the process group itself: Lightning does, at the MASTER_ADDR and
+MASTER_PORT that the sbatch template's `slurm-guard task` exports from Slurm's
+(`framework_results.slurm_task_main(join=False)`). It runs `lightning_workers.train`, the very run
 tests/test_integration_lightning.py uses, with Lightning's own `SLURMEnvironment` (detected
 under srun: one device a node, `num_nodes` from the exported `LOCAL_WORLD_SIZE`). The alarm is
 left to GuardCallback's default under Slurm: exit 86, which the epilog reads. A requeued job
@@ -71,7 +72,7 @@ def clean(root: str) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return slurm_task_main(__doc__, run, RESULT_FILE, FAULT_STEP, argv)
+    return slurm_task_main(__doc__, run, RESULT_FILE, FAULT_STEP, argv, join=False)
 
 
 if __name__ == "__main__":

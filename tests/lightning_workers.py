@@ -136,11 +136,12 @@ def train(
         )
     if keep_one:  # after every step; top-k deletes the older .ckpt files
         callbacks.append(ModelCheckpoint(dirpath=f"{out}/top1", every_n_train_steps=1))
-    devices = int(os.environ.get("LOCAL_WORLD_SIZE") or dist.get_world_size())
+    world = int(os.environ.get("WORLD_SIZE") or dist.get_world_size())  # torchrun's, or the group
+    devices = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
-        num_nodes=dist.get_world_size() // devices,
+        num_nodes=world // devices,
         strategy=DDPStrategy(process_group_backend="gloo"),
         max_steps=max_steps,
         accumulate_grad_batches=ACCUMULATION,
