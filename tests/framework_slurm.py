@@ -108,6 +108,8 @@ def epilog_ran_after_both_ends(log: Path, job: str) -> None:
     """On node1-3, then without node2."""
 
     def ends() -> list[list[str]] | None:
+        if not log.exists():  # the epilog has not written its first line yet
+            return None
         line = rf"^\S+ \S+ job={job} restart=\d+ exit=\S+ nodes=(\S+)$"
         found = re.findall(line, log.read_text(), re.M)
         return [sorted(expand_hostlist(n)) for n in found] if len(found) >= 2 else None

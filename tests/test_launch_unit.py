@@ -168,6 +168,8 @@ def test_init_joins_a_gloo_group_from_slurm_environment(monkeypatch: pytest.Monk
         assert task.node == "node-that-does-not-resolve"
         exported = {k: os.environ.get(k) for k in ("LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_PORT")}
         assert exported == {"LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0", "MASTER_PORT": port}
+        # never the overrides: they would pin the port of every job this process submits
+        assert PORT_ENV not in os.environ and ADDR_ENV not in os.environ
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

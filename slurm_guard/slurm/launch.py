@@ -355,15 +355,16 @@ def task_environment(
     env: Mapping[str, str] | None = None,
     timeout: datetime.timedelta = DEFAULT_INIT_TIMEOUT,
 ) -> tuple[SlurmTask, dict[str, str]]:
-    """This Slurm task and what torchrun would have given it (`torchrun_environment`), plus the
-    resolved address and port under `ADDR_ENV` / `PORT_ENV`, so that a later
-    `init_distributed_from_slurm` in the same task asks Slurm nothing."""
+    """This Slurm task and what torchrun would have given it (`torchrun_environment`).
+
+    Never `ADDR_ENV` / `PORT_ENV`: exported into a process, they would pin the address and port
+    of every job it submits (seen in tests: two jobs submitted from one process met on one
+    port). Both are derived again, identically, wherever they are needed."""
     task = task_from_env(env)
     e = os.environ if env is None else env
     port = int(e.get(PORT_ENV) or port_for_job(task.job_id, task.restart_count))
     address = step_rendezvous_address(task, client, e, timeout)
-    exported = torchrun_environment(task, address, port)
-    return task, {**exported, ADDR_ENV: address, PORT_ENV: str(port)}
+    return task, torchrun_environment(task, address, port)
 
 
 def init_distributed_from_slurm(
@@ -386,7 +387,7 @@ def init_distributed_from_slurm(
     if dist.is_initialized():
         return task_from_env(env)
     task, exported = task_environment(client, env, timeout)
-    address, port = exported[ADDR_ENV], int(exported[PORT_ENV])
+    address, port = exported["MASTER_ADDR"], int(exported["MASTER_PORT"])
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(task.local_rank % torch.cuda.device_count())
