@@ -114,23 +114,12 @@ def test_drill_via_sbatch_template_with_in_job_recovery(
     check_history(work, state)
 
 
-def skip_where_a_requeue_changes_the_task_count(cluster: LocalCluster) -> None:
-    """Slurm 24.11 (seen in this project's CI, 2026-12-03): a job of `--nodes=3 --ntasks=4
-    --ntasks-per-node=2`, requeued with a node excluded, came back with 6 tasks, and the DCP
-    checkpoint saved on 4 ranks could not be resumed on 6 (refused by name). 22.05 keeps 4.
-    The drill's odd layout (rank 3 alone on its node) is what provokes it; a job that fills its
-    nodes (ntasks = nodes x tasks per node) does not. Open: pin the task count at the requeue."""
-    if "24.11" in cluster.slurm_version():
-        pytest.skip("Slurm 24.11 requeues --ntasks=4 on 3 nodes as 6 tasks (see docstring)")
-
-
 def test_sharded_drill_via_submitit_with_the_epilog_as_controller(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     """HSDP 2x2 as 4 tasks on 3 nodes (ranks 0,1 share the first): the fault on rank 3's node
     is named by the cross-replica replay, the epilog drains that node alone, the job comes
     back on the other three and resumes from the sealed DCP checkpoint, bit-identical."""
-    skip_where_a_requeue_changes_the_task_count(cluster)
     state, work = tmp_path / "state", tmp_path / "work"
     install_epilog(cluster, tmp_path, state)
     out = drill(
@@ -154,7 +143,6 @@ def test_sharded_drill_via_sbatch_template_with_in_job_recovery(
 ) -> None:
     """The same through the sbatch template (`examples.train --sharded`, `--ntasks=4`) and its
     in-job `slurm-guard recover` step."""
-    skip_where_a_requeue_changes_the_task_count(cluster)
     state, work = tmp_path / "state", tmp_path / "work"
     out = drill(
         work, state, "--sharded", "--via", "sbatch", "--controller", "in-job", "--timeout", "240"

@@ -31,6 +31,8 @@ def _launch(
     cmd = [sys.executable, "-m", "slurm_guard.cli", "local", "-n", "3", "--grace", "60", "--"]
     cmd += [sys.executable, str(SCRIPT), str(run_dir), str(results), str(ITERS), *extra]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    # kept beside the run directory: when an assertion on the alarm fails, the ranks' logs say why
+    (run_dir.parent / f"{run_dir.name}-launcher.log").write_text(out.stdout + out.stderr)
     if out.returncode not in (0, 86):
         pytest.fail(f"launcher exited {out.returncode}:\n{out.stderr[-4000:]}")
     return out.returncode
