@@ -15,6 +15,7 @@ import json
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from slurm_utils import wait_for
 from test_controller_slurm import FINISHED, wait_running_without
 
 from slurm_guard.cli import main
+from slurm_guard.local import run_local
 from slurm_guard.protocol import REASON_PREFIX
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import Alarm
@@ -32,6 +34,17 @@ from slurm_guard.slurm.parsers import expand_hostlist
 FAULT_NODE = "node2"
 #: Generous: three ranks importing a framework and training on two shared cores, twice.
 JOB_TIMEOUT_S = 600
+
+
+def clean_reference(
+    clean: Callable[[str], dict[str, Any]], steps: int, root: Path, nodes: Sequence[str]
+) -> str:
+    """The clean run's weights sha: `clean(root)` on 3 local gloo ranks posing as `nodes`,
+    the reference the resumed Slurm job's weights must equal bit for bit."""
+    outs = run_local(clean, 3, (str(root),), nodes=list(nodes), timeout=900)
+    assert all(o.status == "ok" for o in outs), [o.value for o in outs]
+    assert outs[0].value["global_step"] == steps
+    return str(outs[0].value["sha"])
 
 
 def submit(script: Path, run: Path, out: Path, state: Path, job_name: str) -> str:

@@ -26,7 +26,6 @@ from support.local_cluster import LocalCluster
 from test_epilog_slurm import install_epilog
 from test_integration_hf import HAVE, NODES
 
-from slurm_guard.local import run_local
 from slurm_guard.slurm.client import CommandSlurmClient
 
 pytestmark = [
@@ -44,16 +43,6 @@ def cluster(idle_slurm_cluster: LocalCluster) -> Iterator[LocalCluster]:
     idle_slurm_cluster.write_epilog(None)
 
 
-def clean_reference(root: Path) -> str:
-    """The clean run's weights sha: 3 local gloo ranks posing as node1..node3."""
-    import hf_slurm_train
-
-    outs = run_local(hf_slurm_train.clean, 3, (str(root),), nodes=NODES, timeout=900)
-    assert all(o.status == "ok" for o in outs), [o.value for o in outs]
-    assert outs[0].value["global_step"] == hf_slurm_train.STEPS
-    return str(outs[0].value["sha"])
-
-
 def checkpoints(folder: Path) -> set[int]:
     return {int(p.name.split("-")[1]) for p in folder.glob("checkpoint-*") if p.is_dir()}
 
@@ -64,7 +53,9 @@ def test_guarded_trainer_on_slurm_is_drained_requeued_and_resumed_bit_identicall
     import hf_slurm_train
 
     client = CommandSlurmClient(env=cluster.env())
-    reference = clean_reference(tmp_path / "reference")
+    reference = fs.clean_reference(
+        hf_slurm_train.clean, hf_slurm_train.STEPS, tmp_path / "reference", NODES
+    )
     runs = tmp_path / "runs"
     run, out, state = runs / "hf-run", runs / "hf-out", tmp_path / "state"
     log = install_epilog(cluster, tmp_path, runs)

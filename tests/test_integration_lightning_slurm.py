@@ -26,7 +26,6 @@ from support.local_cluster import LocalCluster
 from test_epilog_slurm import install_epilog
 from test_integration_lightning import HAVE, NODES
 
-from slurm_guard.local import run_local
 from slurm_guard.slurm.client import CommandSlurmClient
 
 pytestmark = [
@@ -44,16 +43,6 @@ def cluster(idle_slurm_cluster: LocalCluster) -> Iterator[LocalCluster]:
     idle_slurm_cluster.write_epilog(None)
 
 
-def clean_reference(root: Path) -> str:
-    """The clean run's weights sha: 3 local gloo ranks posing as node1..node3."""
-    import lightning_slurm_train
-
-    outs = run_local(lightning_slurm_train.clean, 3, (str(root),), nodes=NODES, timeout=900)
-    assert all(o.status == "ok" for o in outs), [o.value for o in outs]
-    assert outs[0].value["global_step"] == lightning_slurm_train.STEPS
-    return str(outs[0].value["sha"])
-
-
 def ckpts(folder: Path) -> set[str]:
     return {p.name for p in folder.glob("*.ckpt")}
 
@@ -64,7 +53,9 @@ def test_guard_callback_on_slurm_is_drained_requeued_and_resumed_bit_identically
     import lightning_slurm_train
 
     client = CommandSlurmClient(env=cluster.env())
-    reference = clean_reference(tmp_path / "reference")
+    reference = fs.clean_reference(
+        lightning_slurm_train.clean, lightning_slurm_train.STEPS, tmp_path / "reference", NODES
+    )
     runs = tmp_path / "runs"
     run, out, state = runs / "pl-run", runs / "pl-out", tmp_path / "state"
     log = install_epilog(cluster, tmp_path, runs)
