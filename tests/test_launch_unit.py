@@ -233,6 +233,22 @@ def test_cpu_job_asks_for_no_gpus_and_one_task_per_node() -> None:
     assert not re.search(r"@[A-Z_]+@", text)
 
 
+def test_a_total_task_count_is_asked_for_without_tasks_per_node() -> None:
+    # Slurm 24.11 turns --ntasks=4 --ntasks-per-node=2 on 3 nodes into 6 tasks when the
+    # controller sets the requeued job's ExcNodeList; --ntasks alone keeps 4.
+    text = render_sbatch(run_dir="/shared/run", nodes=3, tasks=4)
+    sbatch_lines = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --ntasks=4" in sbatch_lines
+    assert not any("ntasks-per-node" in line for line in sbatch_lines)
+    assert not re.search(r"@[A-Z_]+@", text)
+    with pytest.raises(LaunchError, match="not both"):
+        render_sbatch(run_dir="/shared/run", nodes=3, tasks=4, tasks_per_node=2)
+    with pytest.raises(LaunchError, match="every node needs a task"):
+        render_sbatch(run_dir="/shared/run", nodes=3, tasks=2)
+    with pytest.raises(LaunchError, match="one task per GPU"):
+        render_sbatch(run_dir="/shared/run", nodes=3, tasks=4, gpus_per_node=8)
+
+
 def test_bad_sbatch_option_is_refused() -> None:
     with pytest.raises(LaunchError, match="cannot quote"):
         render_sbatch(run_dir="/r", nodes=3, sbatch_options={"comment": "a b"})

@@ -192,6 +192,12 @@ def drill_cmd(
 @click.option(
     "--tasks-per-node", type=click.IntRange(min=1), default=None, help="Override tasks per node."
 )
+@click.option(
+    "--tasks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Total tasks instead of --tasks-per-node (CPU), for a layout that leaves CPUs unused.",
+)
 @click.option("--job-name", default="guarded-ddp", show_default=True)
 @state_dir_option
 @click.option(
@@ -214,6 +220,7 @@ def submit_cmd(
     nodes: int,
     gpus_per_node: int,
     tasks_per_node: int | None,
+    tasks: int | None,
     job_name: str,
     state_dir: Path,
     sbatch_args: tuple[str, ...],
@@ -248,6 +255,7 @@ def submit_cmd(
             nodes=nodes,
             gpus_per_node=gpus_per_node,
             tasks_per_node=tasks_per_node,
+            tasks=tasks,
             train_command=list(command) or default_train_command(),
             job_name=job_name,
             state_dir=str(state_dir),

@@ -60,20 +60,20 @@ def _submit(opts: SlurmDrillOptions, settings: Any, run_dir: Path, client: Any) 
     in_job = opts.controller == "in-job"
     # Sharded: 4 tasks (2 replica groups x 2 shards) on 3 or 4 nodes; Slurm's block layout puts
     # ranks 0 and 1 together on 3 nodes, so rank 3, where the fault goes, is alone on its node.
-    tasks = {"ntasks": str(SHARDED_TASKS)} if opts.sharded else {}
-    per_node = 2 if opts.sharded else None
+    # The total alone, never with --ntasks-per-node: see launch.task_layout.
+    tasks = SHARDED_TASKS if opts.sharded else None
     if opts.via == "submitit":
         job = launch(
             slurm_task,
             settings,
             nodes=opts.nodes,
-            tasks_per_node=per_node,
+            tasks=tasks,
             run_dir=run_dir,
             in_job_recovery=in_job,
             state_dir=str(opts.state_dir),
             job_name=f"sg-drill-{run_dir.name}",
             time=30,
-            additional_parameters={"requeue": True, **tasks, **dict(opts.sbatch_options)},
+            additional_parameters={"requeue": True, **dict(opts.sbatch_options)},
         )
         return str(job.job_id)
     args = ["--run-dir", str(run_dir), "--steps", str(settings.steps)]
@@ -84,11 +84,11 @@ def _submit(opts: SlurmDrillOptions, settings: Any, run_dir: Path, client: Any) 
     script = render_sbatch(
         run_dir=run_dir,
         nodes=opts.nodes,
-        tasks_per_node=per_node,
+        tasks=tasks,
         train_command=default_train_command(args),
         job_name=f"sg-drill-{run_dir.name}",
         state_dir=str(opts.state_dir),
-        sbatch_options={"time": "30", **tasks, **dict(opts.sbatch_options)},
+        sbatch_options={"time": "30", **dict(opts.sbatch_options)},
     )
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "job.sbatch"

@@ -463,6 +463,32 @@ def recovery_lines(
     ]
 
 
+def task_layout(
+    nodes: int, gpus_per_node: int, tasks_per_node: int | None, tasks: int | None
+) -> tuple[int | None, int | None]:
+    """(--ntasks-per-node, --ntasks) for a job: one of them is None.
+
+    A job that gives its total (`tasks`, e.g. 4 tasks on 3 nodes so that one rank is alone on
+    its node) gets `--ntasks` and no `--ntasks-per-node`: Slurm 24.11 recomputes the task count
+    as nodes x ntasks-per-node when the controller sets the requeued job's ExcNodeList (4 tasks
+    came back as 6, measured), and a sharded checkpoint saved on 4 ranks cannot be loaded on 6.
+
+    Raises:
+        LaunchError: counts Slurm would refuse or that contradict each other.
+    """
+    if nodes < 1 or gpus_per_node < 0:
+        raise LaunchError(f"nodes={nodes}, gpus_per_node={gpus_per_node}: need nodes >= 1")
+    if tasks is None:
+        return tasks_per_node or (gpus_per_node if gpus_per_node > 0 else 1), None
+    if tasks_per_node is not None:
+        raise LaunchError("give tasks (the job's total) or tasks_per_node, not both")
+    if gpus_per_node > 0:
+        raise LaunchError("tasks is for CPU layouts; with GPUs, one task per GPU is the layout")
+    if tasks < nodes:
+        raise LaunchError(f"tasks={tasks} on nodes={nodes}: every node needs a task")
+    return None, tasks
+
+
 def launch(
     train_fn: Callable[..., Any],
     *args: Any,
@@ -470,6 +496,7 @@ def launch(
     gpus_per_node: int = 0,
     run_dir: str | os.PathLike[str],
     tasks_per_node: int | None = None,
+    tasks: int | None = None,
     folder: str | os.PathLike[str] | None = None,
     env: Mapping[str, str] | None = None,
     in_job_recovery: bool = False,
@@ -487,6 +514,8 @@ def launch(
         gpus_per_node: GPUs per node; one task per GPU. 0 means CPU: one task per node.
         run_dir: absolute run directory on shared storage (also put into the job comment).
         tasks_per_node: override the number of tasks per node (e.g. several CPU ranks).
+        tasks: the job's total task count, for a layout that leaves some node's CPUs unused;
+            see `task_layout`.
         folder: submitit's folder for logs and pickles (default: `<run_dir>/submitit`).
         env: variables exported in the batch script before srun.
         in_job_recovery: run `slurm-guard recover` after srun fails, as the sbatch template
@@ -501,9 +530,7 @@ def launch(
     import submitit
 
     path = check_run_dir(run_dir)
-    if nodes < 1 or gpus_per_node < 0:
-        raise LaunchError(f"nodes={nodes}, gpus_per_node={gpus_per_node}: need nodes >= 1")
-    per_node = tasks_per_node or (gpus_per_node if gpus_per_node > 0 else 1)
+    per_node, total = task_layout(nodes, gpus_per_node, tasks_per_node, tasks)
     path.mkdir(parents=True, exist_ok=True)
     setup = [f"export {RUN_DIR_ENV}={shlex.quote(str(path))}"]
     for key, value in (env or {}).items():
@@ -513,6 +540,8 @@ def launch(
     setup += list(slurm_params.pop("setup", []))
     extra = dict(slurm_params.pop("additional_parameters", {}) or {})
     extra.setdefault("requeue", True)
+    if total is not None:
+        extra["ntasks"] = total
     srun_args = list(slurm_params.pop("srun_args", []) or [])
     if not any(a.startswith("--kill-on-bad-exit") for a in srun_args):
         # One crashed rank must end the step, not leave the others in a collective until the
@@ -524,12 +553,15 @@ def launch(
     executor = submitit.SlurmExecutor(folder=str(folder or path / "submitit"))
     params: dict[str, Any] = {
         "nodes": nodes,
-        "ntasks_per_node": per_node,
         "comment": job_comment(path),
         "additional_parameters": extra,
         "setup": setup,
         "srun_args": srun_args,
     }
+    if per_node is not None:
+        # Without it submitit writes no --ntasks-per-node (its Job then counts one task per
+        # node; job.result() reads task 0's, the same either way).
+        params["ntasks_per_node"] = per_node
     if gpus_per_node > 0:
         params["gpus_per_node"] = gpus_per_node
     if teardown:
@@ -571,6 +603,7 @@ def render_sbatch(
     nodes: int,
     gpus_per_node: int = 0,
     tasks_per_node: int | None = None,
+    tasks: int | None = None,
     train_command: Sequence[str] | None = None,
     job_name: str = "guarded-ddp",
     state_dir: str = str(DEFAULT_STATE_DIR),
@@ -591,12 +624,10 @@ def render_sbatch(
         LaunchError: bad run directory, counts, option names, or a marker left unreplaced.
     """
     path = check_run_dir(run_dir)
-    if nodes < 1 or gpus_per_node < 0:
-        raise LaunchError(f"nodes={nodes}, gpus_per_node={gpus_per_node}: need nodes >= 1")
+    per_node, total = task_layout(nodes, gpus_per_node, tasks_per_node, tasks)
     if not re.fullmatch(r"[A-Za-z0-9._-]+", job_name):
         raise LaunchError(f"job name {job_name!r}: use letters, digits, '.', '_', '-'")
-    per_node = tasks_per_node or (gpus_per_node if gpus_per_node > 0 else 1)
-    extra = []
+    extra = [] if total is None else [f"#SBATCH --ntasks={total}"]
     for key, value in (sbatch_options or {}).items():
         if not _SBATCH_KEY.match(key):
             raise LaunchError(f"sbatch option {key!r}: give the long name without dashes")
@@ -613,7 +644,7 @@ def render_sbatch(
     values = {
         "JOB_NAME": job_name,
         "NODES": str(nodes),
-        "TASKS_PER_NODE": str(per_node),
+        "TASKS_PER_NODE": str(per_node or ""),
         "GPUS_PER_NODE": str(gpus_per_node),
         "RUN_DIR_PATTERN": str(path).replace("%", "%%"),
         "RUN_DIR_PLAIN": str(path),
@@ -629,6 +660,8 @@ def render_sbatch(
     for line in text.splitlines():
         if line.startswith("#SBATCH --gpus-per-node=") and gpus_per_node == 0:
             continue  # CPU job: asking for 0 GPUs is refused on clusters without GRES
+        if line.startswith("#SBATCH --ntasks-per-node=") and per_node is None:
+            continue  # `tasks` given: --ntasks alone (see task_layout)
         if line.strip() == "@EXTRA_SBATCH@" and not extra:
             continue
         lines.append(line)
