@@ -90,6 +90,7 @@ def submit(
     *,
     alarm_in_job: bool = False,
     exit_code: int = EXIT_SDC,
+    layout: tuple[str, ...] = ("--ntasks-per-node=1",),
 ) -> tuple[str, Path]:
     run = tmp_path / "run"
     RunDir(run).ensure()
@@ -108,7 +109,7 @@ def submit(
         [
             "--requeue",
             "--nodes=3",
-            "--ntasks-per-node=1",
+            *layout,
             f"--output={tmp_path}/slurm-%j.out",
             f"--comment=slurm-guard:run_dir={run}",
         ],
@@ -133,10 +134,13 @@ def alarm(
 
 
 def finished_job_with_alarm(
-    client: CommandSlurmClient, tmp_path: Path, **kw: Any
+    client: CommandSlurmClient,
+    tmp_path: Path,
+    layout: tuple[str, ...] = ("--ntasks-per-node=1",),
+    **kw: Any,
 ) -> tuple[str, Path]:
     """A 3-node job that exited 86, and its alarm (written after the end: no epilog runs)."""
-    job_id, run = submit(client, tmp_path)
+    job_id, run = submit(client, tmp_path, layout=layout)
     wait_finished(client, job_id)
     RunDir(run).write_alarm(alarm(job_id, **kw))
     return job_id, run
@@ -362,6 +366,29 @@ def test_engine_and_watcher_at_once_act_once(
     ops = [e["op"] for e in journal.entries if e["type"] == "done"]
     assert ops.count("drain") == 1 and ops.count("requeue_hold") == 1
     assert client.job(job_id).restart_count == 1  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "layout", [("--ntasks=4",), ("--ntasks=4", "--ntasks-per-node=2")], ids=["total", "per-node"]
+)
+def test_the_requeue_keeps_a_total_task_count_and_records_any_change(
+    client: CommandSlurmClient, store: StateStore, tmp_path: Path, layout: tuple[str, ...]
+) -> None:
+    # 4 tasks on 3 nodes. Slurm 24.11 recomputes the second layout as 3 x 2 = 6 tasks when the
+    # exclusion is set (22.05 keeps 4); the first keeps 4 on both.
+    job_id, run = finished_job_with_alarm(client, tmp_path, layout=layout)
+    assert client.job(job_id).fields["NumTasks"] == "4"  # type: ignore[union-attr]
+    Engine(client, store, Policy()).process_job(job_id, run)
+    tasks = wait_running_without(client, job_id, "node2").fields["NumTasks"]
+    (detail,) = [
+        e["detail"] for e in store.read().entries if e["type"] == "done" and e["op"] == "exclude"
+    ]
+    if layout == ("--ntasks=4",):
+        assert tasks == "4"
+    if tasks == "4":
+        assert "task count" not in detail, detail
+    else:
+        assert f"task count from 4 to {tasks}" in detail, detail
 
 
 class Crash(BaseException):

@@ -100,7 +100,28 @@ def _exclude(
         raise RetryLater(
             f"job {job_id} is {info.state}; exclusion waits until it is pending ({exc})"
         ) from None
-    return ActionResult(DONE, f"excluded {','.join(union)}")
+    return ActionResult(
+        DONE, f"excluded {','.join(union)}{_task_count_change(client, job_id, info)}"
+    )
+
+
+def _task_count_change(client: SlurmClient, job_id: str, before: JobInfo) -> str:
+    """A warning for the action's detail when setting the exclusion changed the task count.
+
+    Slurm 24.11 recomputes NumTasks as nodes x ntasks-per-node on this update (4 tasks on 3
+    nodes with --ntasks-per-node=2 came back as 6, measured). The controller cannot undo it: a
+    NumTasks update holds only until the release. The resumed run then starts on a different
+    world size (a sharded checkpoint refuses it by name), so the action record says why.
+    """
+    after = client.job(job_id)
+    old, new = before.fields.get("NumTasks"), after.fields.get("NumTasks") if after else None
+    if old is None or new is None or old == new:
+        return ""
+    logger.warning("job %s: Slurm changed its task count from %s to %s", job_id, old, new)
+    return (
+        f"; Slurm changed the job's task count from {old} to {new} when the exclusion was set "
+        "(a job whose --ntasks leaves --ntasks-per-node unfilled: submit it with --ntasks alone)"
+    )
 
 
 @_on_job
