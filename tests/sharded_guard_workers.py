@@ -86,5 +86,9 @@ def train_fsdp_abft(run_dir: str, steps: int) -> dict[str, Any]:
     return train(run_dir, steps, hsdp=False, config={"abft": True})
 
 
+def train_fsdp(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, hsdp=False)
+
+
 def train_three_groups(run_dir: str, steps: int) -> dict[str, Any]:
     return train(run_dir, steps, replicas=3)

@@ -12,16 +12,19 @@ from pathlib import Path
 import pytest
 from sharded_guard_workers import (
     train,
+    train_fsdp,
     train_fsdp_abft,
     train_resumed,
     train_saving,
     train_three_groups,
 )
 
+from slurm_guard.checks.rows import bits
 from slurm_guard.checks.verdicts import ReplayResult
 from slurm_guard.comm.topology import RankInfo, Topology
 from slurm_guard.local.launch import RankOutcome, run_local
 from slurm_guard.protocol import Verdict
+from slurm_guard.sharded import verdict as v
 from slurm_guard.sharded.replay import Mesh
 from slurm_guard.sharded.verdict import judge_shard_vote, judge_sharded_replays
 
@@ -82,6 +85,29 @@ def test_shard_vote_names_the_odd_replica_or_is_ambiguous_with_two() -> None:
 
 
 @pytest.mark.distributed
+def test_conservation_is_judged_per_shard_group_against_its_bound() -> None:
+    import torch
+
+    def row(residual: float, l1: float) -> list[int]:
+        out = [0] * v.ROW
+        out[v.CONSERVE_RESIDUAL] = int(bits(torch.tensor(residual)))
+        out[v.CONSERVE_L1] = int(bits(torch.tensor(l1)))
+        return out
+
+    mesh = Mesh(((0, 1), (2, 3)))
+    bound = lambda l1: 1e-6 * sum(l1)  # noqa: E731
+    # rank errors that cancel within their group are no error: only the group's sum counts
+    assert (
+        v.judge_conservation([row(3e-6, 1), row(-3e-6, 1), row(0, 1), row(0, 1)], mesh, bound)
+        is None
+    )
+    finding = v.judge_conservation([row(0, 1), row(0, 1), row(1e-5, 1), row(0, 1)], mesh, bound)
+    assert finding is not None and finding.verdict == Verdict.AMBIGUOUS
+    assert finding.suspect_ranks == () and finding.evidence["groups"][0]["ranks"] == [2, 3]
+    nan = v.judge_conservation([row(float("nan"), 1), row(0, 1), row(0, 1), row(0, 1)], mesh, bound)
+    assert nan is not None  # fail closed
+
+
 def test_clean_hsdp_run_gives_no_alarm(tmp_path: Path) -> None:
     values = _ok(run_local(train, 4, args=(str(tmp_path), 4), nodes=NODES))
     assert all(v["verified"] == [0, 2] for v in values)  # both replay steps passed
@@ -111,6 +137,22 @@ def test_one_off_nan_is_triaged_by_a_replay_in_the_other_replica_group(tmp_path:
     alarm = _alarms(outcomes)[0]
     assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("finite_local", "sdc", 1)
     assert alarm["suspect_ranks"] == [2]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("worker", "group"), [(train, [0, 1]), (train_fsdp, [0, 1, 2, 3])])
+def test_a_wrong_reduce_scatter_result_is_caught_by_conservation_on_its_step(
+    tmp_path: Path, worker: object, group: list[int]
+) -> None:
+    """A wrong value in rank 1's output chunk, made by the collective (every input is right):
+    no replay sees it (they compare inputs), and under HSDP both replicas of the shard receive
+    it alike, so no vote does either. Step 1 is not a replay step."""
+    inject = {"SLURM_GUARD_INJECT": "kind=allreduce,rank=1,step=1"}
+    outcomes = run_local(worker, 4, args=(str(tmp_path), 3), nodes=NODES, extra_env=inject)
+    alarm = _alarms(outcomes)[0]
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("conservation", "ambiguous", 1)
+    assert alarm["suspect_ranks"] == [] and alarm["update_applied"] is False
+    assert [g["ranks"] for g in alarm["evidence"]["groups"]] == [group]  # type: ignore[index]
 
 
 @pytest.mark.distributed

@@ -37,7 +37,8 @@ KINDS = {
     "weight-bitflip": "flip bit `bit` of one weight element after the update (memory)",
     "replay-noise": "relative Gaussian noise of size `factor` on every replayed gradient "
     "(stands in for non-deterministic kernels)",
-    "allreduce": "turn one averaged gradient element x into x*factor+factor (all-reduce result)",
+    "allreduce": "turn one averaged gradient element x into x*factor+factor (all-reduce result; "
+    "under ShardedGuard, reduce-scatter `param`'s output)",
     "diagnose-gemm": "turn one element x of the `step`-th (persistent: every later) GEMM result "
     "of `slurm-guard diagnose` into x*factor+factor; `rank` selects the GPU",
     "gemm": "one output element of checked GEMM `layer` in pass `pass` (fwd, grad_x, grad_w) "

@@ -147,6 +147,7 @@ class ShardedGuard(StepCalls):
         self.injector = FaultInjector(hooked, self.rank, me.node, model)
         self._grad_faults = [f for f in mine if f.kind in BACKWARD_KINDS]
         self._weight_faults = [f for f in mine if f.kind == "weight-bitflip"]
+        self._reduction_faults = [f for f in mine if f.kind == "allreduce"]
         self.alarm_writer = AlarmWriter(
             run_dir=self.run_dir,
             comm=self.comm,
@@ -164,7 +165,11 @@ class ShardedGuard(StepCalls):
             config = self.config
             self.abft = attach_abft(model, margin=config.abft_margin, block=config.abft_block)
             self.abft.set_suspended(is_replaying)  # a replay judges another rank's step
-        self.rs_state = ReduceScatterState(self.fingerprinter, corrupt=self._corrupt_gradient)
+        self.rs_state = ReduceScatterState(
+            self.fingerprinter,
+            corrupt=self._corrupt_gradient,
+            corrupt_output=self._corrupt_reduction if self._reduction_faults else None,
+        )
         install(model, self.rs_state)
         self.verifier = ShardedVerifier(
             comm=self.comm,
@@ -208,13 +213,21 @@ class ShardedGuard(StepCalls):
 
     @staticmethod
     def _supported(faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
-        supported = (*HOOK_KINDS, *BACKWARD_KINDS, "weight-bitflip")
+        supported = (*HOOK_KINDS, *BACKWARD_KINDS, "weight-bitflip", "allreduce")
         for fault in faults:
             if fault.kind not in supported:
                 raise GuardError(f"fault kind {fault.kind!r} is not available under ShardedGuard")
         return faults
 
     # ---------------------------------------------------------------- faults (tests, drills)
+
+    def _corrupt_reduction(self, chunk: torch.Tensor, call: int) -> None:
+        """An `allreduce` fault: a wrong value in this rank's output of reduce-scatter `param`."""
+        for fault in self._reduction_faults:
+            if call == fault.param and self.injector.active(fault):
+                flat = chunk.view(-1)
+                i = fault.element % flat.numel()
+                flat[i] = flat[i] * fault.factor + fault.factor
 
     def _corrupt_gradient(self, buffer: torch.Tensor, call: int) -> None:
         """A gradient fault hits this rank's unreduced gradient of reduce-scatter `param`."""

@@ -8,7 +8,12 @@ is FSDP's default reduce-scatter plus, on the input:
 
 - the finite check: a float64 sum is non-finite iff some element is (as in `checks.comm_hook`);
 - on verification steps, the exact fingerprint of the input, which a replay elsewhere must
-  reproduce bit for bit (kept per call, in FSDP's call order, which is the same on every rank).
+  reproduce bit for bit (kept per call, in FSDP's call order, which is the same on every rank);
+- conservation: the float64 sum of the output, this rank's chunk, right after the collective.
+  Summed over the shard group, the outputs must give back the inputs' sum (times 1/S for AVG),
+  up to rounding: a wrong value made by the reduce-scatter itself (network, NCCL, a wrong
+  reduction on one GPU) breaks it, and nothing else would see it (replays compare inputs, and
+  every replica of the shard receives the same wrong value, so the vote agrees).
 
 Everything stays on the device as tensors until the step's one verdict gather. Faults for
 tests are applied here too (`corrupt`), standing for a GPU whose backward is wrong.
@@ -31,7 +36,70 @@ from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint.tree import Fingerprinter
 
 Corrupt = Callable[[torch.Tensor, int], None]
-"""Fault injection on the unreduced gradient: (input buffer, call index in the backward)."""
+"""Fault injection: (the input buffer or the output chunk, call index in the backward)."""
+
+
+@dataclass
+class Conservation:
+    """Per backward: what the group's reduce-scatters must conserve, and the rounding scale.
+
+    `residual` is this rank's sum of (input sum - output sum x S/k)/S over the calls, where the
+    op delivers k/S of the group's sum (k = 1 for AVG, S for SUM): summed over the shard group it
+    is the reduction's error in units of one averaged sum, which `conservation_bound` bounds
+    from the inputs' L1 norms. A call that cannot be stated (an asynchronous call, whose output
+    is not there yet, or a PREMUL_SUM whose factor torch does not expose) is counted, not
+    guessed at.
+    """
+
+    residuals: list[torch.Tensor] = field(default_factory=list)
+    l1: list[torch.Tensor] = field(default_factory=list)
+    unstated: int = 0
+    group_size: int = 1
+    largest: int = 0
+    unit_roundoff: float = 0.0
+
+    def clear(self) -> None:
+        self.residuals.clear()
+        self.l1.clear()
+        self.unstated = 0
+        self.largest = 0
+        self.unit_roundoff = 0.0
+
+    def add(
+        self,
+        input_sum: torch.Tensor,
+        input_tensor: torch.Tensor,
+        output_tensor: torch.Tensor,
+        group_size: int,
+        op: object,
+    ) -> None:
+        if op == dist.ReduceOp.AVG:
+            per_group = float(group_size)  # the output is the group's sum / S
+        elif op == dist.ReduceOp.SUM:
+            per_group = 1.0
+        else:
+            self.unstated += 1
+            return
+        out_sum = output_tensor.sum(dtype=torch.float64)
+        self.residuals.append((input_sum - out_sum * per_group) / group_size)
+        # The L1 only scales the bound: the input dtype's own accumulation is precise enough.
+        self.l1.append(torch.linalg.vector_norm(input_tensor, 1).to(torch.float64))
+        self.group_size = group_size
+        self.largest = max(self.largest, input_tensor.numel())
+        self.unit_roundoff = max(self.unit_roundoff, torch.finfo(input_tensor.dtype).eps / 2)
+
+    def bound_inputs(self) -> tuple[float, int, int, int]:
+        """(unit roundoff, largest input, calls, group size): what the bound needs besides the
+        L1 norms, read before a replay's reduce-scatters overwrite them."""
+        return self.unit_roundoff, self.largest, max(len(self.residuals), 1), self.group_size
+
+    def summary(self, device: torch.device) -> torch.Tensor:
+        """[residual, L1] as float64 on `device` (zeros when nothing was stated)."""
+        if not self.residuals:
+            return torch.zeros(2, dtype=torch.float64, device=device)
+        return torch.stack([torch.stack(self.residuals).sum(), torch.stack(self.l1).sum()]).to(
+            device
+        )
 
 
 @dataclass
@@ -41,13 +109,16 @@ class ReduceScatterState:
     fingerprinter: Fingerprinter
     fingerprint: bool = False  # a verification step (or a replay): fingerprint each input
     corrupt: Corrupt | None = None
+    corrupt_output: Corrupt | None = None  # a wrong reduction, after the collective
     sums: list[torch.Tensor] = field(default_factory=list)  # float64, one per call
     fingerprints: list[torch.Tensor] = field(default_factory=list)
+    conservation: Conservation = field(default_factory=Conservation)
 
     def reset(self, fingerprint: bool) -> None:
         self.fingerprint = fingerprint
         self.sums.clear()
         self.fingerprints.clear()
+        self.conservation.clear()
 
     def nonfinite(self, device: torch.device) -> torch.Tensor:
         """1 if any input of this backward held a NaN/Inf, as int64 on `device` (no host read)."""
@@ -62,7 +133,8 @@ class ReduceScatterState:
 
 
 class GuardReduceScatter(DefaultReduceScatter):
-    """FSDP's reduce-scatter, with the finite check and fingerprint of its input first."""
+    """FSDP's reduce-scatter, with the finite check and fingerprint of its input first and the
+    conservation sums around it."""
 
     def __init__(self, state: ReduceScatterState) -> None:
         self.state = state
@@ -76,12 +148,23 @@ class GuardReduceScatter(DefaultReduceScatter):
         async_op: bool = False,
     ) -> dist.Work:
         state = self.state
+        call = len(state.sums)
         if state.corrupt is not None:
-            state.corrupt(input_tensor, len(state.sums))
-        state.sums.append(input_tensor.sum(dtype=torch.float64))
+            state.corrupt(input_tensor, call)
+        input_sum = input_tensor.sum(dtype=torch.float64)
+        state.sums.append(input_sum)
         if state.fingerprint:
             state.fingerprints.append(state.fingerprinter.tensor(input_tensor))
-        return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        work = super().__call__(output_tensor, input_tensor, group, op, async_op)
+        if async_op:  # the output is not there yet; FSDP2 in torch 2.13 calls synchronously
+            state.conservation.unstated += 1
+            return work
+        if state.corrupt_output is not None:
+            state.corrupt_output(output_tensor, call)
+        # Ordered after the collective on the caller's stream, before FSDP's HSDP all-reduce
+        # (which waits on an event recorded after this call) changes the output in place.
+        state.conservation.add(input_sum, input_tensor, output_tensor, group.size(), op)
+        return work
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:

@@ -2,7 +2,8 @@
 
 One fixed-size int64 row per rank per step, as in `checks.rows` for DDP, but with what a
 sharded step measures: the finite flags of the unreduced gradient (reduce-scatter input) and
-of the reduced shard, the loss bits, the checked GEMMs' worst ratio and, on verification
+of the reduced shard, the loss bits, the checked GEMMs' worst ratio, the reduce-scatter's
+conservation residual and the inputs' L1 norm (float64 bits) and, on verification
 steps, the fingerprint of this rank's reduce-scatter input and of its replay of another
 replica group's rank. Every rank runs the same functions on the same rows, so every rank
 reaches the same finding without a further round.
@@ -10,7 +11,7 @@ reaches the same finding without a further round.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from slurm_guard.checks.consistency import judge_vote
 from slurm_guard.checks.verdicts import (
@@ -36,8 +37,10 @@ from slurm_guard.sharded.replay import Mesh, ReplayValues
     REPLAY_FAILED,
     ABFT_RATIO,
     ABFT_WHERE,
-) = range(11)
-ROW = 11
+    CONSERVE_RESIDUAL,
+    CONSERVE_L1,
+) = range(13)
+ROW = 13
 
 
 def replay_fields(own_grad: int, values: ReplayValues) -> list[int]:
@@ -102,6 +105,35 @@ def judge_sharded_replays(
             {"failed": [disputed.evidence()]},
         )
     return settle_with_third(disputed, third.replayer, third.replay_loss, third.replay_grad)
+
+
+def judge_conservation(
+    rows: Sequence[Sequence[int]], mesh: Mesh, bound: Callable[[list[float]], float]
+) -> Finding | None:
+    """Each shard group's reduce-scatters must conserve the sum of their inputs.
+
+    `bound(l1_norms)` is the rounding tolerance for one group's inputs. A group over it got a
+    wrong reduction: the wrong value is in every rank's copy of that shard after HSDP's
+    all-reduce, and which GPU or link made it cannot be told from the sums, so the verdict is
+    `ambiguous` with no suspect, as for the DDP guard's all-reduce (the group is in the evidence).
+    """
+    bad = []
+    for i, group in enumerate(mesh.ranks):
+        residual = sum(bits_to_float(rows[r][CONSERVE_RESIDUAL]) for r in group)
+        limit = bound([bits_to_float(rows[r][CONSERVE_L1]) for r in group])
+        if not abs(residual) <= limit:  # NaN fails too
+            bad.append({"group": i, "ranks": list(group), "error": residual, "bound": limit})
+    if not bad:
+        return None
+    first = bad[0]
+    return Finding(
+        Check.CONSERVATION,
+        Verdict.AMBIGUOUS,
+        (),
+        f"the reduce-scatter of shard group {first['ranks']} did not conserve the gradient sum: "
+        f"error {first['error']:.3e} over the rounding bound {first['bound']:.3e}",
+        {"groups": bad},
+    )
 
 
 def judge_abft(rows: Sequence[Sequence[int]], where: Sequence[str]) -> Finding | None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from slurm_guard.abft import Abft
+from slurm_guard.checks.consistency import conservation_bound
 from slurm_guard.checks.replay import Captured, LossFn, exchange
 from slurm_guard.checks.rows import LedgerFn, StepResult, bits, upload
 from slurm_guard.checks.verdicts import Finding, judge_nonfinite, judge_reduced_nonfinite
@@ -116,6 +117,8 @@ class ShardedVerifier:
         reduced_sum = torch.cat(partial).sum() if partial else torch.zeros((), dtype=torch.float64)
         reduced_nonfinite = (~torch.isfinite(reduced_sum)).to(torch.int64).reshape(1).to(device)
         abft = self._abft_summary(device)
+        conserved = self.state.conservation.summary(device)  # before a replay resets it
+        rounding = self.state.conservation.bound_inputs()
         own_grad, replayed = 0, ReplayValues()
         key = f"sharded-replay/{step}/ring"
         if verify:
@@ -130,6 +133,7 @@ class ShardedVerifier:
                 fields,
                 bits(abft[0]).to(device),
                 abft[1:].to(torch.int64).to(device),
+                conserved.view(torch.int64),
             ]
         )
         rows = self.comm.all_gather_rows(row, f"step {step}: verdicts" if verify else None)
@@ -152,6 +156,16 @@ class ShardedVerifier:
             if gemm is not None:
                 self.ledger(step, Check.ABFT, False, {"suspects": list(gemm.suspect_ranks)})
                 return StepResult(gemm, True)
+        if config.finite_check:  # as the DDP guard's conservation check, after ABFT's
+            u, largest, calls, size = rounding
+
+            def bound(l1: list[float]) -> float:
+                return conservation_bound(l1, u, largest, buckets=calls, world=size)
+
+            conservation = v.judge_conservation(rows, self.mesh, bound)
+            if conservation is not None:
+                self.ledger(step, Check.CONSERVATION, False, conservation.evidence)
+                return StepResult(conservation, True)
         if not verify:
             return StepResult(None, False)
         results = v.replay_results(rows, first)
