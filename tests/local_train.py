@@ -2,7 +2,8 @@
 gloo from env://, the device from LOCAL_RANK, faults only from SLURM_GUARD_INJECT.
 
 A third argument names a rank whose interpreter is slow to finalize (4 s in a `__del__` at
-module teardown), so that rank 0, the store's host, exits while that rank is finalizing."""
+module teardown), so that rank 0, the store's host, exits while that rank is finalizing. A
+fourth, `slow-exit`, makes that rank sleep 2 s before it exits instead."""
 
 from __future__ import annotations
 
@@ -42,5 +43,8 @@ def main(run_dir: str, steps: int) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]))
-    if len(sys.argv) > 3 and int(os.environ["RANK"]) == int(sys.argv[3]):
+    if len(sys.argv) > 4 and sys.argv[4] == "slow-exit":
+        if int(os.environ["RANK"]) == int(sys.argv[3]):
+            time.sleep(2.0)
+    elif len(sys.argv) > 3 and int(os.environ["RANK"]) == int(sys.argv[3]):
         slow = _SlowToFinalize()  # a module global: collected while the interpreter finalizes

@@ -231,3 +231,19 @@ def test_a_rank_finalizing_when_the_store_host_exits_ends_cleanly(tmp_path: Path
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=HARD_TIMEOUT)
     assert "terminate called" not in out.stderr, out.stderr[-3000:]
     assert out.returncode == 0, out.stderr[-3000:]
+
+
+@pytest.mark.distributed
+def test_the_store_host_leaves_after_the_other_ranks_on_a_clean_exit(tmp_path: Path) -> None:
+    """Seen in CI under the README's command: rank 0, the store's host, exited first, the other
+    ranks' hang-watch listeners lost their connection mid-wait, and torch printed a C++ stack
+    trace on a clean run. Rank 1 here exits 2 s after the others."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parent / "local_train.py"
+    cmd = [sys.executable, "-m", "slurm_guard.cli", "local", "-n", "2", "--"]
+    cmd += [sys.executable, str(script), str(tmp_path), "3", "1", "slow-exit"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=HARD_TIMEOUT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Failed to recv" not in out.stderr, out.stderr[-3000:]

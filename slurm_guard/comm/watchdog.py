@@ -190,7 +190,22 @@ class HangWatch:
         deadline = time.monotonic() + CLOSE_SECONDS
         for thread in self._threads:
             thread.join(max(deadline - time.monotonic(), 0.0))
+        self._leave_last(deadline)
         atexit.unregister(self.close)
+
+    def _leave_last(self, deadline: float) -> None:
+        """Rank 0, which hosts the store under env:// and `slurm-guard local`, leaves after the
+        others' listeners have: leaving first cuts their waits, and torch then prints a C++
+        stack trace ("Failed to recv ... Connection was likely closed") on a clean exit. Each
+        rank says so with one key; rank 0 waits for them until `deadline`, never longer (a
+        crashed rank never says so)."""
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            if self.rank != 0:
+                self._talk.set(f"closed/{self.rank}", _EXIT)
+            elif self.world > 1:
+                left = max(deadline - time.monotonic(), 0.0)
+                others = [f"closed/{r}" for r in range(1, self.world)]
+                self._talk.wait(others, datetime.timedelta(seconds=left))
 
     # ------------------------------------------------------------------ main thread
 
