@@ -92,3 +92,7 @@ def train_fsdp(run_dir: str, steps: int) -> dict[str, Any]:
 
 def train_three_groups(run_dir: str, steps: int) -> dict[str, Any]:
     return train(run_dir, steps, replicas=3)
+
+
+def train_resumed_fsdp(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, hsdp=False, resume=True, init_seed=99)

@@ -184,7 +184,12 @@ def resume(core: GuardCore) -> int:
         rng_loaded[step] = ckpt.rng_state()
 
     resumed = resume_collectively(
-        core.comm, core.run_dir, core.rank, core.config.trust_replays, load_step
+        core.comm,
+        core.run_dir,
+        core.rank,
+        core.config.trust_replays,
+        load_step,
+        run_id=core.run_id,
     )
     problem = problems.get(resumed.step)
     if resumed.step in scaler_restarts and core.rank == 0:

@@ -23,7 +23,7 @@ from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint.nh import FastFingerprinter
 from slurm_guard.fingerprint.tree import Fingerprinter, as_hex
 from slurm_guard.rundir import checkpoint as ckpt
-from slurm_guard.rundir.layout import RunDir, fresh_start_requested
+from slurm_guard.rundir.layout import OVERRIDE_HINT, RunDir, fresh_start_requested
 from slurm_guard.rundir.records import read_json_file
 from slurm_guard.rundir.recovery import ResumePlan, ResumePoint, finish_rollback, plan_resume
 from slurm_guard.rundir.trust import CheckpointMeta, parse_checkpoint_meta
@@ -45,12 +45,17 @@ def resume_collectively(
     rank: int,
     trust_replays: int,
     load: Callable[[int], None],
+    *,
+    run_id: str | None,
+    refuse: Callable[[CheckpointMeta], str | None] | None = None,
 ) -> Resumed:
     """Load the newest usable allowed checkpoint on every rank (all must call).
 
     `load(step)` runs on each rank and raises when the checkpoint is unusable there; it must
-    not use collectives. Raises GuardError on every rank when the run directory cannot be read
-    or every allowed checkpoint is damaged.
+    not use collectives. Raises GuardError on every rank when the run directory cannot be read,
+    every allowed checkpoint is damaged, or the newest one not damaged cannot be resumed here
+    for a reason no older one mends: sealed by another run than `run_id` (`foreign_problem`),
+    or what `refuse(meta)` (rank 0) names, such as another world size.
     """
     plan: ResumePlan | None = None
     problem = None
@@ -65,7 +70,11 @@ def resume_collectively(
         step = -1
         if plan is not None:
             meta = plan.next_candidate()
-            step = -1 if meta is None else meta.step
+            problem = None if meta is None else foreign_problem(meta, run_id)
+            if meta is not None and problem is None and refuse is not None:
+                problem = refuse(meta)
+            step = -1 if meta is None or problem is not None else meta.step
+        comm.share_problem(problem, "resume: whose checkpoint")
         (step,) = comm.broadcast_ints([step])
         if step < 0:
             break
@@ -94,6 +103,25 @@ def resume_collectively(
         last_verified_step=last_verified if last_verified >= 0 else None,
         verified_steps=sorted(s for s in passes if s >= 0),
         point=point,
+    )
+
+
+def foreign_problem(meta: CheckpointMeta, run_id: str | None) -> str | None:
+    """Why a checkpoint sealed by another run must not be resumed from, or None.
+
+    Its fingerprint verifies under its own seed, so without this a checkpoint copied in from
+    another run's directory would be loaded as if this run had saved it, and this run's alarms
+    and ledger would vouch for weights they never saw. Not skipped for an older one either:
+    files of two runs in one checkpoints/ is the mix `rundir.identity` refuses at start. A seal
+    without a run id (slurm-guard before run ids) cannot be compared and is taken as it is.
+    """
+    if meta.run_id is None or run_id is None or meta.run_id == run_id:
+        return None
+    return (
+        f"checkpoint step-{meta.step:08d} was sealed by run {meta.run_id[:16]}, not by this "
+        f"run ({run_id[:16]}, identity.json): it was copied from another run's directory, and "
+        "that run's checks, not this one's, vouch for it. Move it out of checkpoints/ (resume "
+        f"the other run from its own directory). {OVERRIDE_HINT}"
     )
 
 

@@ -32,7 +32,7 @@ from slurm_guard.fingerprint.tree import as_hex, lanes_to_int
 from slurm_guard.rundir import checkpoint as ckpt
 from slurm_guard.rundir.records import read_json_file
 from slurm_guard.rundir.restore import record_rollback, resume_collectively
-from slurm_guard.rundir.trust import parse_checkpoint_meta
+from slurm_guard.rundir.trust import CheckpointMeta, parse_checkpoint_meta
 
 if TYPE_CHECKING:
     from torch import nn
@@ -171,6 +171,23 @@ def load_shards(guard: GuardState, step: int) -> None:
         )
 
 
+def other_mesh(meta: CheckpointMeta, world_size: int) -> str | None:
+    """Why a sharded checkpoint of another world size stops the resume, or None.
+
+    Each rank's shards are verified against the fingerprint that rank sealed, so only the
+    same number of ranks can load it; and an older checkpoint would be the same, so this is
+    not damage to skip past but a setting to change.
+    """
+    if meta.shard_fingerprints is None or meta.world_size == world_size:
+        return None
+    return (
+        f"checkpoint step-{meta.step:08d} was saved on {meta.world_size} ranks and this run "
+        f"has {world_size}: a sharded checkpoint is verified shard by shard on the mesh that "
+        f"saved it. Resume on {meta.world_size} ranks (the same mesh), or start fresh "
+        "(SLURM_GUARD_RESUME=fresh, which moves the checkpoints to quarantine/)"
+    )
+
+
 def resume(guard: GuardState) -> int:
     """Load the trusted checkpoint (the DDP guard's rule); return the step to start from."""
     comm = guard.comm
@@ -181,6 +198,8 @@ def resume(guard: GuardState) -> int:
         guard.rank,
         guard.config.trust_replays,
         lambda step: load_shards(guard, step),
+        run_id=guard.run_id,
+        refuse=lambda meta: other_mesh(meta, guard.world_size),
     )
     guard.verified_steps = resumed.verified_steps
     if resumed.step < 0:
