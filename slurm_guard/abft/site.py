@@ -21,10 +21,16 @@ from slurm_guard.abft.bounds import (
     factors,
     roundoff,
 )
+from slurm_guard.comm.torch_support import unsupported_torch
 from slurm_guard.kernels import abft_native as nk
 from slurm_guard.kernels import abft_triton as at
 
 FWD, GRAD_X, GRAD_W = 0, 1, 2
+# The weight norms are kept until the tensor's version counter moves, `Tensor._version`
+# (private; tested on torch 2.13 and 2.14): without it a stale norm would bound another weight.
+if not hasattr(torch.empty(0), "_version"):
+    raise unsupported_torch("The ABFT check", "Tensor._version")
+
 PASSES = ("fwd", "grad_x", "grad_w")
 # Rows per checksum block at most for float16/bfloat16 products: their bound is the rounding of
 # each stored output element, which grows as sqrt(block), not the GEMM's (docs/coverage.md)

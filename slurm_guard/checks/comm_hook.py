@@ -29,12 +29,21 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import GradBucket  # the class DDP compares against
 
+from slurm_guard.comm.torch_support import unsupported_torch
 from slurm_guard.comm.watchdog import HangWatch
 from slurm_guard.fingerprint.tree import Fingerprinter
 from slurm_guard.kernels.bucket import bucket_check
 from slurm_guard.kernels.sketch import divide, seed_words, sign_bits
+
+try:
+    # Private, but the class DDP's register_comm_hook compares the annotation against (tested
+    # on torch 2.13 and 2.14; docs/architecture.md, "Torch versions").
+    from torch._C._distributed_c10d import GradBucket
+except ImportError as exc:
+    raise unsupported_torch(
+        "The guard's DDP comm hook", "torch._C._distributed_c10d.GradBucket"
+    ) from exc
 
 PRE_DIVIDED = (torch.float16, torch.bfloat16)  # as DDP's default allreduce hook
 

@@ -2,7 +2,7 @@
 
 `Collective` (gathers and all-reduces on the backend's device, `agree(fn)`, the arrival
 watchdog), the named errors every rank raises together (`errors`), the device rules (`devices`),
-and who runs on which node (`topology`).
+and who runs on which node (`topology`), and which torch the guard can run on (`torch_support`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from slurm_guard.comm.errors import (
     RanksMissing,
 )
 from slurm_guard.comm.topology import Topology
+from slurm_guard.comm.torch_support import UnsupportedTorch
 
 __all__ = [
     "Collective",
@@ -26,6 +27,7 @@ __all__ = [
     "RankFailed",
     "RanksMissing",
     "Topology",
+    "UnsupportedTorch",
     "backend_device",
     "check_devices",
 ]

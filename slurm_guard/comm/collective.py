@@ -45,6 +45,7 @@ from slurm_guard.comm.errors import (
     RankFailed,
     listed,
 )
+from slurm_guard.comm.torch_support import unsupported_torch
 from slurm_guard.comm.watchdog import HangWatch, _is_timeout
 from slurm_guard.errors import GuardError
 
@@ -104,11 +105,21 @@ class Collective:
         self.store: Store | None
         self.watch: HangWatch | None = None
         try:
-            # The store the process group was built from. torch has no public accessor; without
-            # it the hang watch and the causes in RankFailed are unavailable (logged).
+            # The store the process group was built from. torch has no public accessor (tested
+            # on torch 2.13 and 2.14); without one the hang watch and the causes in RankFailed
+            # are unavailable (logged). A torch that renamed it is refused by name below.
             base = dist.distributed_c10d._get_default_store()
             self.store = PrefixStore(f"slurm-guard/{space}/{instance}/", base)
-        except (RuntimeError, ValueError, AttributeError) as exc:
+        except AttributeError as exc:
+            if self.watchdog_seconds > 0:
+                raise unsupported_torch(
+                    "The guard's hang watch (GuardConfig.watchdog_seconds > 0)",
+                    "torch.distributed.distributed_c10d._get_default_store()",
+                ) from exc
+            logger.warning("no key-value store for the guard (%s): no causes in RankFailed", exc)
+            self.store = None
+            return
+        except (RuntimeError, ValueError) as exc:
             logger.warning("no key-value store for the guard's watchdog (%s); it is off", exc)
             self.store = None
             self.watchdog_seconds = 0.0

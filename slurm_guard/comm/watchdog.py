@@ -52,6 +52,7 @@ from slurm_guard.comm.errors import (
     RanksMissing,
     listed,
 )
+from slurm_guard.comm.torch_support import unsupported_torch
 from slurm_guard.errors import GuardError
 
 logger = logging.getLogger(__name__)
@@ -146,6 +147,11 @@ class HangWatch:
         seconds: float,
         on_stop: Callable[[GuardError], None] | None = None,
     ) -> None:
+        if not callable(getattr(base, "clone", None)):
+            # Store.clone() gives each thread its own connection (tested on torch 2.13, 2.14).
+            raise unsupported_torch(
+                "The guard's hang watch (GuardConfig.watchdog_seconds > 0)", "Store.clone()"
+            )
         self._listen = PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
         self._talk = PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
         # the store rounds (`Collective.arrive`): the main thread's connection, this key space,

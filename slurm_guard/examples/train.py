@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -45,11 +45,13 @@ from torch.nn.parallel import DistributedDataParallel
 from slurm_guard.config import GuardConfig
 from slurm_guard.errors import GuardError, SilentDataCorruption
 from slurm_guard.examples.tiny_gpt import TinyGPT, TinyGPTConfig, lm_loss, make_batch
-from slurm_guard.examples.train_sharded import build_sharded_job, gathered_sha256
 from slurm_guard.faults.injection import parse_faults
 from slurm_guard.guard import Guard, exit_on_alarm
 from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
-from slurm_guard.sharded.guard import ShardedGuard
+
+if TYPE_CHECKING:
+    # The DDP path must not import FSDP: a torch without it still runs the plain demo.
+    from slurm_guard.sharded.guard import ShardedGuard
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +107,14 @@ def state_sha256(tensors: Sequence[torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _weights_sha256(guard: Guard | ShardedGuard, device: torch.device) -> str:
+def _weights_sha256(guard: Guard | ShardedGuard, device: torch.device, *, sharded: bool) -> str:
     """What the replicas hold, hashed; under HSDP every rank's shards, gathered (collective)."""
     local = state_sha256(guard.state_tensors())
-    return gathered_sha256(local, device) if isinstance(guard, ShardedGuard) else local
+    if not sharded:
+        return local
+    from slurm_guard.examples.train_sharded import gathered_sha256
+
+    return gathered_sha256(local, device)
 
 
 def _append_event(run_dir: Path, event: dict[str, Any]) -> None:
@@ -229,6 +235,8 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     guard: Guard | ShardedGuard
     batch_of: Callable[[int, int], Any]
     if settings.sharded:
+        from slurm_guard.examples.train_sharded import build_sharded_job
+
         job = build_sharded_job(
             run_dir,
             config,
@@ -290,7 +298,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     result = {
         "schema": RESULT_SCHEMA,
         "final_step": guard.step_count,
-        "weight_sha256": _weights_sha256(guard, device),
+        "weight_sha256": _weights_sha256(guard, device, sharded=settings.sharded),
         "resumed_from": start,
         "restart_count": guard.restart_count,
         "job_id": guard.job_id,

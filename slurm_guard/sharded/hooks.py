@@ -27,13 +27,27 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
-# FSDP2's comm interface is not exported publicly in torch 2.13 (see docs/integrations/fsdp.md)
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-
+from slurm_guard.comm.torch_support import require_api, unsupported_torch
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint.tree import Fingerprinter
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+
+    # FSDP2's comm interface is private (tested on torch 2.13 and 2.14; docs/architecture.md,
+    # "Torch versions"): a torch without it stops the sharded guard here, by name.
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+except ImportError as exc:
+    raise unsupported_torch(
+        "ShardedGuard", "FSDP2's DefaultReduceScatter (torch.distributed.fsdp._fully_shard)"
+    ) from exc
+# set_custom_reduce_scatter appeared in torch 2.9, reset_iter_state in 2.13 (sharded.replay).
+require_api(
+    "ShardedGuard",
+    FSDPModule,
+    ("set_custom_reduce_scatter", "set_requires_all_reduce", "reset_iter_state"),
+)
 
 Corrupt = Callable[[torch.Tensor, int], None]
 """Fault injection: (the input buffer or the output chunk, call index in the backward)."""
@@ -153,8 +167,11 @@ class GuardReduceScatter(DefaultReduceScatter):
         if state.fingerprint:
             state.fingerprints.append(state.fingerprinter.tensor(input_tensor))
         work = super().__call__(output_tensor, input_tensor, group, op, async_op)
-        if async_op:  # the output is not there yet; FSDP2 in torch 2.13 calls synchronously
-            return work
+        if async_op and work is not None:
+            # FSDP2 in torch 2.13 and 2.14 calls synchronously. Should a later torch call
+            # asynchronously, the output is not there yet: wait (on the device, a stream wait on
+            # NCCL) rather than leave the conservation check out without a word.
+            work.wait()
         if state.corrupt_output is not None:
             state.corrupt_output(output_tensor, call)
         # Ordered after the collective on the caller's stream, before FSDP's HSDP all-reduce
