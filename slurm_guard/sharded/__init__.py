@@ -9,6 +9,8 @@ is imported lazily (`slurm_guard.ShardedGuard`), so the vote does not pull in FS
 
 from __future__ import annotations
 
+# First: a torch without FSDP2 is refused here by name (fsdp_api), before any other import.
+from slurm_guard.sharded import fsdp_api  # noqa: F401  # isort: skip
 from slurm_guard.sharded.vote import local_grads_finite, local_state, replica_vote
 
 __all__ = ["local_grads_finite", "local_state", "replica_vote"]

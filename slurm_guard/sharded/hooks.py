@@ -28,26 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from slurm_guard.comm.torch_support import require_api, unsupported_torch
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint.tree import Fingerprinter
-
-try:
-    from torch.distributed.fsdp import FSDPModule
-
-    # FSDP2's comm interface is private (tested on torch 2.13 and 2.14; docs/architecture.md,
-    # "Torch versions"): a torch without it stops the sharded guard here, by name.
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
-except ImportError as exc:
-    raise unsupported_torch(
-        "ShardedGuard", "FSDP2's DefaultReduceScatter (torch.distributed.fsdp._fully_shard)"
-    ) from exc
-# set_custom_reduce_scatter appeared in torch 2.9, reset_iter_state in 2.13 (sharded.replay).
-require_api(
-    "ShardedGuard",
-    FSDPModule,
-    ("set_custom_reduce_scatter", "set_requires_all_reduce", "reset_iter_state"),
-)
+from slurm_guard.sharded.fsdp_api import DefaultReduceScatter, FSDPModule
 
 Corrupt = Callable[[torch.Tensor, int], None]
 """Fault injection: (the input buffer or the output chunk, call index in the backward)."""
