@@ -1,0 +1,238 @@
+"""Verified snapshots in node-local memory: a fast cache of the state after a passing vote.
+
+A checkpoint on the shared filesystem is slow to write, so sites save one every 30-60 minutes,
+and an alarm costs up to that interval of every GPU's work. After a passing weight vote the
+replicas are verified identical, so that state is worth keeping close: each rank writes it to
+memory that outlives the training step but not the node (`/dev/shm/slurm-guard/<job>/` by
+default). A snapshot is a cache, never the truth: one that is missing, damaged, or sealed by
+another run is skipped, and the resume falls back to the next one or to a checkpoint.
+
+Layout, per rank (ranks of one node share the job directory):
+
+    <root>/<job>/rank-<r>/step-<N>/state.pt    model, optimizer, RNG, scaler, stateful: host copies
+    <root>/<job>/rank-<r>/step-<N>/seal.json   written last: step, run id, fingerprint, sha256
+
+A snapshot directory is staged under a dot-name and renamed into place after its seal is
+written, so a listed snapshot is always complete; the newest `keep` (2) are kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slurm_guard.protocol import SNAPSHOT_SCHEMA
+from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DEFAULT_SNAPSHOT_ROOT",
+    "SNAPSHOT_ROOT_ENV",
+    "SnapshotSeal",
+    "SnapshotStore",
+    "remove_job_snapshots",
+    "snapshot_root",
+]
+
+DEFAULT_SNAPSHOT_ROOT = Path("/dev/shm/slurm-guard")
+SNAPSHOT_ROOT_ENV = "SLURM_GUARD_SNAPSHOT_DIR"
+STATE_FILE = "state.pt"
+SEAL_FILE = "seal.json"
+STAGING_PREFIX = ".staging-"
+
+
+def snapshot_root(configured: str | os.PathLike[str] | None = None) -> Path:
+    """The configured directory, else $SLURM_GUARD_SNAPSHOT_DIR, else /dev/shm/slurm-guard."""
+    if configured:
+        return Path(configured)
+    return Path(os.environ.get(SNAPSHOT_ROOT_ENV) or DEFAULT_SNAPSHOT_ROOT)
+
+
+def _job_key(job_id: str) -> str:
+    """A job id as a directory name; anything but a plain id would escape the root."""
+    if not job_id or not all(c.isalnum() or c in "._-" for c in job_id) or job_id[0] == ".":
+        raise ValueError(f"not a usable job id for a snapshot directory: {job_id!r}")
+    return job_id
+
+
+def remove_job_snapshots(root: Path, job_id: str) -> bool:
+    """Free a finished job's node-local memory (the node's epilog calls this); True if removed."""
+    directory = root / _job_key(job_id)
+    if not directory.exists():
+        return False
+    shutil.rmtree(directory, ignore_errors=True)
+    return True
+
+
+@dataclass(frozen=True)
+class SnapshotSeal:
+    """What `seal.json` says about one snapshot: written last, so its presence means complete."""
+
+    step: int  # completed steps the state stands for (the checkpoint numbering)
+    run_id: str  # identity.json's run_id of the run that wrote it
+    weight_fingerprint: str  # the vote's fingerprint of the state, under fingerprint_seed
+    fingerprint_seed: int
+    sha256: str  # of state.pt
+    rank: int
+    world_size: int
+    created: float
+    schema: int = SNAPSHOT_SCHEMA
+
+    @classmethod
+    def parse(cls, obj: Any, source: str) -> SnapshotSeal:
+        if not isinstance(obj, dict):
+            raise RecordError(f"{source}: expected a JSON object")
+        schema = obj.get("schema")
+        if not isinstance(schema, int) or not 1 <= schema <= SNAPSHOT_SCHEMA:
+            raise RecordError(f"{source}: unsupported snapshot schema {schema!r}")
+        try:
+            return cls(
+                step=int(obj["step"]),
+                run_id=str(obj["run_id"]),
+                weight_fingerprint=str(obj["weight_fingerprint"]),
+                fingerprint_seed=int(obj["fingerprint_seed"]),
+                sha256=str(obj["sha256"]),
+                rank=int(obj["rank"]),
+                world_size=int(obj["world_size"]),
+                created=float(obj["created"]),
+                schema=schema,
+            )
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise RecordError(f"{source}: malformed snapshot seal ({exc})") from None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class SnapshotStore:
+    """One rank's snapshots of one job, in node-local memory (no collectives, no shared disk)."""
+
+    def __init__(self, root: Path, job_id: str, rank: int, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError("a snapshot store keeps at least one snapshot")
+        self.directory = root / _job_key(job_id) / f"rank-{rank}"
+        self.rank = rank
+        self.keep = keep
+
+    def path(self, step: int) -> Path:
+        return self.directory / f"step-{step:08d}"
+
+    def write(
+        self,
+        state: dict[str, Any],
+        *,
+        step: int,
+        run_id: str,
+        weight_fingerprint: str,
+        fingerprint_seed: int,
+        world_size: int,
+    ) -> SnapshotSeal:
+        """Save host-side `state` and seal it; then drop all but the newest `keep` snapshots.
+
+        Runs on the copier's background thread: `state` must already be a copy that the
+        training step no longer writes to.
+        """
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stage = self.directory / f"{STAGING_PREFIX}{step:08d}-{os.getpid()}"
+        shutil.rmtree(stage, ignore_errors=True)
+        stage.mkdir()
+        try:
+            with open(stage / STATE_FILE, "wb") as f:
+                torch.save(state, f)
+            seal = SnapshotSeal(
+                step=step,
+                run_id=run_id,
+                weight_fingerprint=weight_fingerprint,
+                fingerprint_seed=fingerprint_seed,
+                sha256=_sha256(stage / STATE_FILE),
+                rank=self.rank,
+                world_size=world_size,
+                created=time.time(),
+            )
+            atomic_write_json(stage / SEAL_FILE, seal.__dict__)
+            final = self.path(step)
+            if final.exists():  # the same step again (a resumed run repeating it): replace
+                shutil.rmtree(final)
+            os.replace(stage, final)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        self.prune()
+        return seal
+
+    def prune(self) -> None:
+        """Keep the newest `keep` sealed snapshots; remove older ones and stale staging dirs."""
+        if not self.directory.is_dir():
+            return
+        steps = sorted(self._steps(), reverse=True)
+        for step in steps[self.keep :]:
+            shutil.rmtree(self.path(step), ignore_errors=True)
+        for entry in self.directory.iterdir():
+            if entry.name.startswith(STAGING_PREFIX) and not entry.name.endswith(f"-{os.getpid()}"):
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _steps(self) -> list[int]:
+        steps = []
+        for entry in self.directory.iterdir():
+            if entry.name.startswith("step-") and entry.name[5:].isdigit():
+                steps.append(int(entry.name[5:]))
+        return steps
+
+    def seals(self) -> tuple[list[SnapshotSeal], dict[int, str]]:
+        """The readable seals, newest first, and the snapshots whose seal is unusable (why).
+
+        Never raises: node-local memory that cannot be listed holds no usable snapshot.
+        """
+        found: list[SnapshotSeal] = []
+        unusable: dict[int, str] = {}
+        try:
+            steps = sorted(self._steps(), reverse=True) if self.directory.is_dir() else []
+        except OSError as exc:
+            logger.warning("cannot list snapshots in %s (%s)", self.directory, exc.strerror)
+            return [], {}
+        for step in steps:
+            try:
+                seal = SnapshotSeal.parse(
+                    read_json_file(self.path(step) / SEAL_FILE), str(self.path(step))
+                )
+            except RecordError as exc:
+                unusable[step] = str(exc)
+                continue
+            if seal.step != step or seal.rank != self.rank:
+                unusable[step] = f"its seal says step {seal.step}, rank {seal.rank}"
+                continue
+            found.append(seal)
+        return found, unusable
+
+    def problem(self, seal: SnapshotSeal, run_id: str) -> str | None:
+        """Why this snapshot must not be loaded here, or None: another run, or damaged bytes."""
+        if seal.run_id != run_id:
+            return f"sealed by another run ({seal.run_id}, this run is {run_id})"
+        try:
+            if _sha256(self.path(seal.step) / STATE_FILE) != seal.sha256:
+                return f"{STATE_FILE} does not match its sealed sha256 (damaged)"
+        except OSError as exc:
+            return f"{STATE_FILE} cannot be read ({exc.strerror})"
+        return None
+
+    def load(self, seal: SnapshotSeal) -> dict[str, Any]:
+        """The sealed state, on the CPU; the caller still checks the weight fingerprint."""
+        path = self.path(seal.step) / STATE_FILE
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise RecordError(f"{path}: not a snapshot (a {type(state).__name__})")
+        return state
