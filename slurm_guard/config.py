@@ -85,6 +85,13 @@ class GuardConfig:
             `torch.nn.utils.clip_grad_norm_`) after the checks passed and the GradScaler
             unscaled them, before the optimizer step; `guard.last_grad_norm` is the norm before
             clipping, a 0-dim tensor on the device. None: no clipping.
+        snapshots: after every passing weight vote, copy the verified state (model, optimizer,
+            RNG, `stateful`, scaler) to node-local memory, off the step's path; a restart on the
+            same nodes resumes from the newest snapshot the resume rule allows instead of an
+            older checkpoint (docs/user-guide.md, "Snapshots"). Costs host memory: two copies
+            of the model and optimizer per node. Off by default.
+        snapshot_dir: where snapshots live; None: $SLURM_GUARD_SNAPSHOT_DIR, else
+            /dev/shm/slurm-guard. Node-local memory, never the shared filesystem.
     """
 
     replay_every: int = 10
@@ -107,6 +114,8 @@ class GuardConfig:
     triage_seconds: float = 20.0
     fast_path_world: int = 32
     max_grad_norm: float | None = None
+    snapshots: bool = False
+    snapshot_dir: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -173,6 +182,11 @@ class GuardConfig:
                 f"GuardConfig.max_grad_norm={norm!r}: must be None (no clipping) or a positive "
                 "number (1.0 in most LLM recipes)"
             )
+        if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, str):
+            raise ConfigError(
+                f"GuardConfig.snapshot_dir={self.snapshot_dir!r}: must be None or a path string "
+                "on node-local memory (the default is /dev/shm/slurm-guard)"
+            )
         object.__setattr__(self, "faults", tuple(self.faults))
 
     def _check_types(self) -> None:
@@ -181,7 +195,7 @@ class GuardConfig:
         `deterministic="false"` would otherwise be truthy (exact comparison on GPU: false
         alarms, drains) and `trust_replays=1.5` would pass the range check.
         """
-        for name in ("finite_check", "settle_buckets", "deterministic", "abft"):
+        for name in ("finite_check", "settle_buckets", "deterministic", "abft", "snapshots"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(
@@ -259,4 +273,5 @@ class GuardConfig:
             "fast_path_world": self.fast_path_world,
             "max_grad_norm": self.max_grad_norm,
             "faults": [f.describe() for f in self.faults],
+            "snapshots": self.snapshots,
         }

@@ -190,6 +190,7 @@ def resume(core: GuardCore) -> int:
         core.config.trust_replays,
         load_step,
         run_id=core.run_id,
+        snapshots=core.snapshots,
     )
     problem = problems.get(resumed.step)
     if resumed.step in scaler_restarts and core.rank == 0:

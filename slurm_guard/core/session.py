@@ -67,6 +67,7 @@ from slurm_guard.checks.verifier import Verifier
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.config import GuardConfig
+from slurm_guard.core import snapshots as node_snapshots
 from slurm_guard.core.calls import NO_SYNC, StepCalls, StepPlan
 from slurm_guard.core.setup import (
     agree_on_seed,
@@ -228,6 +229,8 @@ class GuardCore(StepCalls):
         self._settled = not self.config.settle_buckets
         self.voted_at = -1  # step_count right after the last clean vote
         self._started = time.time()
+        # Verified state in node-local memory after each passing vote (GuardConfig.snapshots).
+        self.snapshots = node_snapshots.attach(self) if self.config.snapshots else None
         unwritten = None
         if self.rank == 0:
             try:
@@ -345,6 +348,8 @@ class GuardCore(StepCalls):
         """The optimizer step if the checks allow it, then the vote when one is due."""
         if not result.skip_update:
             self._clip()
+            if self.snapshots is not None:
+                self.snapshots.fence()  # the snapshot in flight has read the state it changes
             self._optimizer_step()
         self._updated(plan, result)
 
@@ -408,6 +413,8 @@ class GuardCore(StepCalls):
         if finding is not None:
             self.alarm(finding, step, update_applied=True)
         self.voted_at = step + 1
+        if self.snapshots is not None:
+            node_snapshots.take(self, self.snapshots, step + 1)
 
     def alarm(self, finding: Finding, step: int, *, update_applied: bool) -> NoReturn:
         """Rank 0 writes the alarm; then every rank raises the very same record."""

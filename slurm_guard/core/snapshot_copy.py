@@ -75,8 +75,9 @@ class SnapshotCopier:
         """Snapshot `state` (the module, optimizer ... as they are now); returns at once.
 
         `seal` holds `SnapshotStore.write`'s keywords (step, run id, fingerprint, seed, world
-        size). The tensors are captured before this returns (enqueued on the copy stream on a
-        GPU, cloned on the CPU), so the caller may go on training.
+        size); a callable value is called on the writer thread, after the copy has landed.
+        The tensors are captured before this returns (enqueued on the copy stream on a GPU,
+        cloned on the CPU), so the caller may go on training.
         """
         began = time.perf_counter()
         self.wait()
@@ -124,7 +125,9 @@ class SnapshotCopier:
         try:
             if self._event is not None:
                 self._event.synchronize()  # this thread waits for the copy, not the step
-            self.last_seal = self.store.write(host, **seal)
+            # a value still on the device (the fingerprint) is read here, off the step's path
+            fields = {k: v() if callable(v) else v for k, v in seal.items()}
+            self.last_seal = self.store.write(host, **fields)
             self.stats.written += 1
             self.stats.seconds_written.append(time.perf_counter() - began)
         except Exception as exc:  # a cache that failed: logged, never the run's failure

@@ -47,6 +47,11 @@ class ResumePlan:
     pending_alarms: list[str]  # alarms (and lost alarms) this resume rolls back
     verified: list[int]  # passing replay steps from the ledger
     fresh: bool = False  # SLURM_GUARD_RESUME=fresh: load nothing, move everything aside
+    window: TrustWindow | None = None  # the pending alarms' limit (snapshots obey it too)
+
+    def allows(self, step: int) -> bool:
+        """Whether the resume rule allows state of `step` (a checkpoint's or a snapshot's)."""
+        return not self.fresh and (self.window is None or self.window.allows(step))
 
     def next_candidate(self) -> CheckpointMeta | None:
         """Pop the newest remaining candidate whose files match their hashes.
@@ -156,7 +161,7 @@ def plan_resume(run_dir: RunDir, trust_replays: int = 1, *, fresh: bool = False)
     damaged = {s: p for s, p in scan.damaged.items() if window.allows(s)}
     for step, problem in sorted(damaged.items()):
         logger.warning("skipping checkpoint step-%08d: %s", step, problem)
-    return ResumePlan(run_dir, candidates, damaged, ids, verified)
+    return ResumePlan(run_dir, candidates, damaged, ids, verified, window=window)
 
 
 def choose_resume_point(run_dir: RunDir, trust_replays: int = 1) -> ResumePoint:

@@ -10,9 +10,10 @@ continues from a state another rank could not reproduce.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,6 +28,30 @@ from slurm_guard.rundir.layout import OVERRIDE_HINT, RunDir, fresh_start_request
 from slurm_guard.rundir.records import read_json_file
 from slurm_guard.rundir.recovery import ResumePlan, ResumePoint, finish_rollback, plan_resume
 from slurm_guard.rundir.trust import CheckpointMeta, parse_checkpoint_meta
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOTS_PER_RANK = 2  # how many snapshot steps each rank offers the resume
+
+
+class SnapshotSource(Protocol):
+    """Node-local snapshots a resume may prefer to checkpoints (`core.snapshots`)."""
+
+    def usable(self) -> list[tuple[int, int]]:
+        """This rank's loadable snapshots, newest first: (step, the sealed fingerprint as an int).
+
+        The fingerprint tells apart two snapshots of one step from two timelines (a node that
+        missed a rollback): every rank must hold the same one.
+        """
+        ...
+
+    def load_step(self, step: int) -> None:
+        """Restore snapshot `step` on this rank, proving its fingerprint; raise if unusable."""
+        ...
+
+    def discard_after(self, step: int) -> None:
+        """Forget snapshots newer than the state resumed from: they belong to a rolled-back past."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -48,6 +73,7 @@ def resume_collectively(
     *,
     run_id: str | None,
     refuse: Callable[[CheckpointMeta], str | None] | None = None,
+    snapshots: SnapshotSource | None = None,
 ) -> Resumed:
     """Load the newest usable allowed checkpoint on every rank (all must call).
 
@@ -56,6 +82,11 @@ def resume_collectively(
     every allowed checkpoint is damaged, or the newest one not damaged cannot be resumed here
     for a reason no older one mends: sealed by another run than `run_id` (`foreign_problem`),
     or what `refuse(meta)` (rank 0) names, such as another world size.
+
+    With `snapshots`, the newest snapshot step that every rank holds, that the resume rule
+    allows and that is at least as new as the newest allowed checkpoint is tried first; if it
+    fails to load on any rank, the checkpoints are tried as without snapshots. Whatever is
+    resumed from, every rank then forgets its snapshots newer than it.
     """
     plan: ResumePlan | None = None
     problem = None
@@ -65,8 +96,8 @@ def resume_collectively(
         except (GuardError, OSError) as exc:
             problem = str(exc)
     comm.share_problem(problem, "resume: reading the run directory")
-    chosen = -1
-    while True:
+    chosen = -1 if snapshots is None else _resume_from_snapshot(comm, rank, plan, snapshots)
+    while chosen < 0:
         step = -1
         if plan is not None:
             meta = plan.next_candidate()
@@ -86,6 +117,8 @@ def resume_collectively(
             continue
         chosen = step
         break
+    if snapshots is not None:
+        snapshots.discard_after(chosen)
     problem = None
     if plan is not None and chosen < 0:
         error = plan.nothing_usable()
@@ -104,6 +137,40 @@ def resume_collectively(
         verified_steps=sorted(s for s in passes if s >= 0),
         point=point,
     )
+
+
+def _resume_from_snapshot(
+    comm: Collective, rank: int, plan: ResumePlan | None, snapshots: SnapshotSource
+) -> int:
+    """Load the snapshot step rank 0 picks on every rank; -1 (nothing loaded) if none works."""
+    pairs = (snapshots.usable() + [(-1, -1)] * SNAPSHOTS_PER_RANK)[:SNAPSHOTS_PER_RANK]
+    rows = comm.all_gather_rows(
+        [v for pair in pairs for v in pair], "resume: the snapshots on each node"
+    )
+    step = -1
+    if plan is not None:
+        held = [set(zip(row[0::2], row[1::2], strict=True)) for row in rows]
+        common = {s for s, _ in set.intersection(*held) if s >= 0}
+        newest_checkpoint = max((m.step for m in plan.candidates), default=-1)
+        allowed = [s for s in common if plan.allows(s) and s >= newest_checkpoint]
+        step = max(allowed, default=-1)
+    (step,) = comm.broadcast_ints([step], "resume: the snapshot chosen")
+    if step < 0:
+        return -1
+    try:
+        comm.agree(functools.partial(snapshots.load_step, step), f"resume: snapshot {step}")
+    except RankFailed as exc:  # a cache that failed somewhere: the checkpoints decide
+        if rank == 0:
+            logger.warning(
+                "snapshot step-%08d not usable on rank %d (%s): resuming from a checkpoint",
+                step,
+                exc.rank,
+                exc.cause,
+            )
+        return -1
+    if rank == 0:
+        logger.info("resumed from the node-local snapshot of step %d", step)
+    return step
 
 
 def foreign_problem(meta: CheckpointMeta, run_id: str | None) -> str | None:

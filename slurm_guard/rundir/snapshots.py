@@ -174,13 +174,16 @@ class SnapshotStore:
         self.prune()
         return seal
 
+    def remove(self, step: int) -> None:
+        shutil.rmtree(self.path(step), ignore_errors=True)
+
     def prune(self) -> None:
         """Keep the newest `keep` sealed snapshots; remove older ones and stale staging dirs."""
         if not self.directory.is_dir():
             return
         steps = sorted(self._steps(), reverse=True)
         for step in steps[self.keep :]:
-            shutil.rmtree(self.path(step), ignore_errors=True)
+            self.remove(step)
         for entry in self.directory.iterdir():
             if entry.name.startswith(STAGING_PREFIX) and not entry.name.endswith(f"-{os.getpid()}"):
                 shutil.rmtree(entry, ignore_errors=True)

@@ -1,0 +1,94 @@
+"""Resuming from node-local snapshots on real gloo jobs: later than a checkpoint, never wrong.
+
+Each run keeps its snapshots in its own directory standing in for /dev/shm. Two ranks share a
+"node" (n1), so the non-first rank restores the weights from its node leader's snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from workers import run_scenarios
+
+import slurm_guard as sg
+from slurm_guard.local.launch import run_local
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+NODES = ["n1", "n1", "n2", "n3"]
+DENSE_WEIGHT = 10
+
+
+def _config(shm: Path, *faults: sg.Fault) -> sg.GuardConfig:
+    return sg.GuardConfig(
+        replay_every=5,
+        vote_every=5,
+        trust_replays=1,
+        snapshots=True,
+        snapshot_dir=str(shm),
+        faults=faults,
+    )
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(bool((x == y).all()) for x, y in zip(a, b, strict=True))
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_restart_resumes_from_the_newest_allowed_snapshot_and_skips_a_damaged_one(
+    tmp_path: Path,
+) -> None:
+    fault = sg.Fault("grad-scale", rank=2, step=17, persistent=True, param=DENSE_WEIGHT)
+    runs: dict[str, dict[str, Any]] = {}
+    for name in ("clean", "snapshot", "damaged", "forged"):
+        (tmp_path / name).mkdir()
+        faults = () if name == "clean" else (fault,)
+        runs[name] = {
+            "run_dir": str(tmp_path / name),
+            "steps": 30,
+            "checkpoint_every": 10,
+            "config": _config(tmp_path / f"shm-{name}", *faults),
+        }
+    first = run_local(run_scenarios, 4, args=(list(runs.values()),), nodes=NODES)
+    clean = [o.value[0]["final"] for o in first]
+    for index in (1, 2, 3):
+        alarm = first[0].value[index]["alarm"]
+        assert alarm["step"] == 20 and alarm["last_verified_step"] == 15
+    shm = tmp_path / "shm-damaged"
+    job = next(shm.iterdir())  # run-<run id>: no Slurm job here
+    # snapshots after the votes of steps 15 and 20 are kept; 20 holds the fault's update
+    assert sorted(p.name for p in (job / "rank-1").iterdir()) == ["step-00000015", "step-00000020"]
+    _flip_byte(job / "rank-1" / "step-00000015" / "state.pt")
+    # a seal whose fingerprint was edited: node n1 then claims another state than n2 and n3
+    seal_file = next((tmp_path / "shm-forged").iterdir()) / "rank-0" / "step-00000015" / "seal.json"
+    seal = json.loads(seal_file.read_text())
+    fingerprint = seal["weight_fingerprint"]
+    seal["weight_fingerprint"] = ("1" if fingerprint[0] == "0" else "0") + fingerprint[1:]
+    seal_file.write_text(json.dumps(seal))
+
+    restart = [
+        {**runs[name], "config": _config(tmp_path / f"shm-{name}")}
+        for name in ("snapshot", "damaged", "forged")
+    ]
+    second = run_local(run_scenarios, 4, args=(restart,), nodes=NODES)
+    # the snapshot of step 15, not the checkpoint of step 10: five steps fewer lost
+    assert second[0].value[0]["start"] == 15
+    # rank 1's copy of step 15 is damaged, or node n1's seal is forged: every rank falls back
+    # to the checkpoint
+    assert second[0].value[1]["start"] == 10 and second[0].value[2]["start"] == 10
+    for rank in range(4):
+        for index in (0, 1, 2):
+            resumed = second[rank].value[index]["final"]
+            assert _same(clean[rank], resumed), f"rank {rank}, run {index}: not bit-identical"
+    # the snapshot of step 20 came from the rolled-back past: gone, and replaced by the rerun
+    job = next((tmp_path / "shm-snapshot").iterdir())
+    assert sorted(p.name for p in (job / "rank-0").iterdir()) == ["step-00000025", "step-00000030"]
