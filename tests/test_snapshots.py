@@ -150,3 +150,19 @@ def test_the_job_directory_is_removed_and_the_root_is_configurable(
     assert snapshot_root() == tmp_path and snapshot_root("/x") == Path("/x")
     monkeypatch.delenv("SLURM_GUARD_SNAPSHOT_DIR")
     assert snapshot_root() == Path("/dev/shm/slurm-guard")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_copy_reads_the_state_before_the_next_update(tmp_path: Path) -> None:
+    device = torch.device("cuda")
+    weight = torch.randn(1 << 22, device=device)
+    before = weight.cpu()
+    copier = SnapshotCopier(SnapshotStore(tmp_path, "77", rank=0), device)
+    copier.start({"model": {"weight": weight}}, **_seal(10))
+    copier.fence()  # what the guard does before the optimizer step
+    weight.mul_(3.0)  # the update, on the training stream, after the fence
+    copier.close()
+    seals, _ = SnapshotStore(tmp_path, "77", rank=0).seals()
+    saved = SnapshotStore(tmp_path, "77", rank=0).load(seals[0])
+    assert torch.equal(saved["model"]["weight"], before)
