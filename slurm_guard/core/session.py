@@ -342,14 +342,16 @@ class GuardCore(StepCalls):
             # the suspect repeats the failing microbatch first: persistent or transient
             finding = triage_alarm(self.verifier, result.finding, plan.captured, plan.step)
             self.alarm(finding, plan.step, update_applied=False)
+        if self.snapshots is not None:
+            # Before any update, by the guard or a framework: the snapshot in flight has read
+            # the state (a wait on the device, no host sync).
+            self.snapshots.fence()
         return result
 
     def apply_update(self, plan: StepPlan, result: StepResult) -> None:
         """The optimizer step if the checks allow it, then the vote when one is due."""
         if not result.skip_update:
             self._clip()
-            if self.snapshots is not None:
-                self.snapshots.fence()  # the snapshot in flight has read the state it changes
             self._optimizer_step()
         self._updated(plan, result)
 

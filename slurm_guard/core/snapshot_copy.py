@@ -2,10 +2,10 @@
 
 On a GPU, the state's tensors are copied into pinned host buffers (allocated once, reused) on a
 side stream that first waits for the step's work; the training stream waits for the copy only
-where it would overwrite what is being copied, at `fence()` before the next optimizer step. A
-background thread waits for the copy to land and writes the snapshot (`rundir.snapshots`). On
-the CPU there is no stream to overlap with: the state is cloned on the spot (a memory copy) and
-the thread writes it.
+where it would overwrite what is being copied: at `fence()`, which the guard calls when the next
+step's checks are done, before any update. A background thread waits for the copy to land and
+writes the snapshot (`rundir.snapshots`). On the CPU there is no stream to overlap with: the
+state is cloned on the spot (a memory copy) and the thread writes it.
 
 The step waits on a snapshot only when the next one starts while the previous one is still
 being written: the store keeps two, and the copier never runs two at once.
