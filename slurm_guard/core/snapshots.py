@@ -19,11 +19,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from slurm_guard.comm.topology import Topology
+from slurm_guard.config import GuardConfig
 from slurm_guard.core import stateful
 from slurm_guard.core.snapshot_copy import SnapshotCopier
 from slurm_guard.errors import GuardError
@@ -31,12 +33,9 @@ from slurm_guard.fingerprint.tree import Fingerprinter, as_hex
 from slurm_guard.rundir.checkpoint import rng_state
 from slurm_guard.rundir.snapshots import SnapshotSeal, SnapshotStore, snapshot_root
 
-if TYPE_CHECKING:
-    from slurm_guard.core.session import GuardCore
-
 logger = logging.getLogger(__name__)
 
-__all__ = ["NodeSnapshots", "SnapshotLoad", "attach", "take"]
+__all__ = ["Guarded", "NodeSnapshots", "SnapshotLoad", "attach", "take"]
 
 KEPT = 2  # snapshots kept per rank; the resume looks at this many per rank
 
@@ -199,7 +198,28 @@ class NodeSnapshots:
         return leader
 
 
-def attach(core: GuardCore) -> NodeSnapshots:
+class Guarded(Protocol):
+    """What the snapshots need of the guard's core (`core.session.GuardCore`)."""
+
+    config: GuardConfig
+    topology: Topology
+    rank: int
+    world_size: int
+    job_id: str | None
+    run_id: str
+    params: list[torch.nn.Parameter]
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    fingerprinter: Fingerprinter
+    stateful: dict[str, stateful.Stateful]
+    scaler: torch.amp.GradScaler | None
+    step_count: int
+    rng_after_step: dict[str, torch.Tensor] | None
+
+    def state_tensors(self, buffers: bool = True) -> list[torch.Tensor]: ...
+
+
+def attach(core: Guarded) -> NodeSnapshots:
     """The snapshots of `core`'s run on this node (GuardConfig(snapshots=True))."""
     node = core.topology.node_of(core.rank)
     leader = min(r for r in range(core.world_size) if core.topology.node_of(r) == node)
@@ -226,7 +246,7 @@ def attach(core: GuardCore) -> NodeSnapshots:
     return snapshots
 
 
-def take(core: GuardCore, snapshots: NodeSnapshots, steps_done: int) -> None:
+def take(core: Guarded, snapshots: NodeSnapshots, steps_done: int) -> None:
     """After a passing vote on the state after `steps_done` steps: snapshot it, off the path."""
     # An RNG drawn from between a step and a save (an eval) is not the state to restore.
     rng = core.rng_after_step if steps_done == core.step_count and core.rng_after_step else None
