@@ -340,7 +340,7 @@ def task_cmd(command: tuple[str, ...]) -> None:
         \b
         srun slurm-guard task -- python train.py
     """
-    from slurm_guard.slurm.launch import LaunchError, task_environment
+    from slurm_guard.slurm.task import LaunchError, task_environment
 
     try:
         _, exported = task_environment()

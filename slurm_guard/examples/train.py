@@ -318,7 +318,7 @@ def slurm_task(settings: TrainSettings) -> dict[str, Any]:
 
     Exits the process with the guard's code on an alarm, like the command line.
     """
-    from slurm_guard.slurm.launch import init_distributed_from_slurm
+    from slurm_guard.slurm.task import init_distributed_from_slurm
 
     init_distributed_from_slurm()
     try:
@@ -332,7 +332,7 @@ def slurm_task(settings: TrainSettings) -> dict[str, Any]:
 def _init_process_group() -> None:
     """Under srun: from Slurm. Under torchrun (RANK set): from its environment variables."""
     if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
-        from slurm_guard.slurm.launch import init_distributed_from_slurm
+        from slurm_guard.slurm.task import init_distributed_from_slurm
 
         init_distributed_from_slurm()
     elif "RANK" in os.environ:
