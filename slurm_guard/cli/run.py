@@ -198,6 +198,14 @@ def drill_cmd(
     default=None,
     help="Total tasks instead of --tasks-per-node (CPU), for a layout that leaves CPUs unused.",
 )
+@click.option(
+    "--spares",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Spare nodes held in the allocation: after an alarm the step restarts on one "
+    "instead of requeuing the job.",
+)
 @click.option("--job-name", default="guarded-ddp", show_default=True)
 @state_dir_option
 @click.option(
@@ -221,6 +229,7 @@ def submit_cmd(
     gpus_per_node: int,
     tasks_per_node: int | None,
     tasks: int | None,
+    spares: int,
     job_name: str,
     state_dir: Path,
     sbatch_args: tuple[str, ...],
@@ -232,14 +241,15 @@ def submit_cmd(
 
     COMMAND is the training command each task runs (after `--`); it gets the run directory
     as $SLURM_GUARD_RUN_DIR. Default: the example trainer (python -m
-    slurm_guard.examples.train). Prints the job id.
+    slurm_guard.examples.train). Prints the job id. With --spares S the job holds N+S nodes
+    and trains on N through `slurm-guard supervise`.
 
     Example:
 
         \b
         slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --gpus-per-node 8 \\
             -- python train.py --epochs 3
-        slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --dry-run
+        slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --spares 1 --dry-run
     """
     from slurm_guard.slurm.launch import (
         LaunchError,
@@ -256,6 +266,7 @@ def submit_cmd(
             gpus_per_node=gpus_per_node,
             tasks_per_node=tasks_per_node,
             tasks=tasks,
+            spares=spares,
             train_command=list(command) or default_train_command(),
             job_name=job_name,
             state_dir=str(state_dir),

@@ -279,6 +279,9 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     try:
         for step in range(start, settings.steps):
             loss = guard.step(batch_of(step, rank))
+            if step == start and rank == 0:
+                # how long a restart took, to the first step it completed (tests print it)
+                _append_event(run_dir, {"event": "first_step", "step": step + 1})
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
                 guard.save_checkpoint()
     except SilentDataCorruption as exc:

@@ -113,6 +113,37 @@ def task_layout(
     return None, tasks
 
 
+def check_spares(spares: int, tasks: int | None) -> None:
+    """Spares need a per-node layout: the supervisor starts N x tasks-per-node tasks.
+
+    Raises:
+        LaunchError: a negative count, or spares with a total task count.
+    """
+    if spares < 0:
+        raise LaunchError(f"spares={spares}: give 0 or more spare nodes")
+    if spares and tasks is not None:
+        raise LaunchError(
+            "spares need tasks per node (one per GPU, or --tasks-per-node), not a total --tasks: "
+            "the restarted step must have the same layout on whichever nodes it gets"
+        )
+
+
+def supervise_command(
+    run_dir: Path,
+    nodes: int,
+    tasks_per_node: int,
+    state_dir: str | None,
+    slurm_guard: str | None = None,
+) -> list[str]:
+    """`slurm-guard supervise ... --`: the in-job supervisor; the step's command follows."""
+    exe = slurm_guard or str(Path(sys.executable).with_name("slurm-guard"))
+    cmd = [exe, "supervise", "--nodes", str(nodes), "--tasks-per-node", str(tasks_per_node)]
+    cmd += ["--run-dir", str(run_dir)]
+    if state_dir is not None:
+        cmd += ["--state-dir", state_dir]
+    return [*cmd, "--"]
+
+
 def launch(
     train_fn: Callable[..., Any],
     *args: Any,
@@ -125,6 +156,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     in_job_recovery: bool = False,
     state_dir: str | None = None,
+    spares: int = 0,
     **slurm_params: Any,
 ) -> Any:
     """Submit `train_fn(*args)` as one guarded DDP job through submitit; return the submitit Job.
@@ -145,6 +177,10 @@ def launch(
         in_job_recovery: run `slurm-guard recover` after srun fails, as the sbatch template
             does; leave False where the site's EpilogSlurmctld runs the controller.
         state_dir: `--state-dir` for the in-job recovery (default: the controller's default).
+        spares: extra nodes to hold in the allocation. The job asks for nodes + spares and
+            trains on `nodes`; after an alarm the in-job supervisor (`slurm-guard supervise`)
+            restarts the step on a spare instead of requeuing the job. Spares imply in-job
+            recovery.
         **slurm_params: submitit SlurmExecutor parameters (`partition`, `time`, `mem`,
             `additional_parameters`, ...).
 
@@ -155,8 +191,14 @@ def launch(
 
     path = check_run_dir(run_dir)
     per_node, total = task_layout(nodes, gpus_per_node, tasks_per_node, tasks)
+    check_spares(spares, tasks)
     path.mkdir(parents=True, exist_ok=True)
     setup = [f"export {RUN_DIR_ENV}={shlex.quote(str(path))}"]
+    if spares:
+        # submitit writes the step's `srun` itself; a shell function of that name hands it to
+        # the supervisor, which runs the real srun on N nodes (and again on a spare).
+        supervisor = shlex.join(supervise_command(path, nodes, per_node or 1, state_dir))
+        setup.append(f'srun() {{ {supervisor} "$@"; }}')
     for key, value in (env or {}).items():
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise LaunchError(f"environment variable name {key!r} is not valid")
@@ -172,11 +214,11 @@ def launch(
         # process-group timeout.
         srun_args.append("--kill-on-bad-exit=1")
     teardown = list(slurm_params.pop("teardown", []) or [])
-    if in_job_recovery:
+    if in_job_recovery and not spares:
         teardown = recovery_lines(path, state_dir) + teardown
     executor = submitit.SlurmExecutor(folder=str(folder or path / "submitit"))
     params: dict[str, Any] = {
-        "nodes": nodes,
+        "nodes": nodes + spares,
         "comment": job_comment(path),
         "additional_parameters": extra,
         "setup": setup,
@@ -235,11 +277,14 @@ def render_sbatch(
     sbatch_options: Mapping[str, str | bool] | None = None,
     template: str | None = None,
     python: str | None = None,
+    spares: int = 0,
 ) -> str:
     """The guarded DDP batch script for one run (pure: returns text, submits nothing).
 
     `python` runs the kernels' pre-build step (`python -m slurm_guard.kernels`, once per node);
     by default the `python` beside `slurm_guard` when that is given, else this interpreter.
+    `spares` nodes are asked for on top of `nodes`; the script then trains through `slurm-guard
+    supervise` on `nodes` of them.
 
     Shell values are quoted with shlex; `#SBATCH` lines cannot be quoted, so the run
     directory is validated by `check_run_dir` and '%' is doubled in the output file pattern.
@@ -249,6 +294,7 @@ def render_sbatch(
     """
     path = check_run_dir(run_dir)
     per_node, total = task_layout(nodes, gpus_per_node, tasks_per_node, tasks)
+    check_spares(spares, tasks)
     if not re.fullmatch(r"[A-Za-z0-9._-]+", job_name):
         raise LaunchError(f"job name {job_name!r}: use letters, digits, '.', '_', '-'")
     extra = [] if total is None else [f"#SBATCH --ntasks={total}"]
@@ -267,7 +313,9 @@ def render_sbatch(
         python = str(Path(slurm_guard).with_name("python")) if slurm_guard else sys.executable
     values = {
         "JOB_NAME": job_name,
-        "NODES": str(nodes),
+        "NODES": str(nodes + spares),
+        "TRAIN_NODES": str(nodes),
+        "SPARES": str(spares),
         "TASKS_PER_NODE": str(per_node or ""),
         "GPUS_PER_NODE": str(gpus_per_node),
         "RUN_DIR_PATTERN": str(path).replace("%", "%%"),
@@ -301,12 +349,14 @@ __all__ = [
     "LaunchError",
     "SlurmTask",
     "check_run_dir",
+    "check_spares",
     "default_train_command",
     "init_distributed_from_slurm",
     "job_comment",
     "launch",
     "recovery_lines",
     "render_sbatch",
+    "supervise_command",
     "task_from_env",
     "task_layout",
     "template_path",

@@ -44,6 +44,9 @@ a site's prolog): then no task asks Slurm. It must be the step's first node's ad
 RENDEZVOUS_DIR = ".rendezvous"
 """Under the run directory: rank 0's `<job>.<step>.<restart>.json` with the first node's
 address, read by the other ranks (a requeued run or a later step writes a file of its own)."""
+ATTEMPT_ENV = "SLURM_GUARD_ATTEMPT"
+"""The in-job supervisor's step attempt (0, then 1 after a restart on a spare): moves the port,
+as the restart count does for a requeue."""
 PORT_BASE = 15000
 PORT_SPAN = 5000
 """Derived ports lie in [PORT_BASE, PORT_BASE + PORT_SPAN): below Linux's ephemeral range
@@ -175,16 +178,16 @@ def torchrun_environment(task: SlurmTask, address: str, port: int) -> dict[str, 
     }
 
 
-def port_for_job(job_id: str, restart_count: int = 0) -> int:
+def port_for_job(job_id: str, restart_count: int = 0, attempt: int = 0) -> int:
     """The rendezvous port of a job: the same on every task, different between jobs.
 
-    The restart count moves it too, so a requeued run never waits for the previous run's
-    listening socket to be released.
+    The restart count and the in-job attempt move it too, so a requeued run or a step
+    restarted on a spare never waits for the previous run's listening socket to be released.
     """
     digits = re.sub(r"\D", "", job_id)
     if not digits:
         raise LaunchError(f"job id {job_id!r} has no digits to derive a port from")
-    return PORT_BASE + (int(digits) * 7 + restart_count) % PORT_SPAN
+    return PORT_BASE + (int(digits) * 7 + restart_count + 101 * attempt) % PORT_SPAN
 
 
 def rendezvous_address(node: str, client: SlurmClient) -> str:
@@ -347,7 +350,8 @@ def task_environment(
     port). Both are derived again, identically, wherever they are needed."""
     task = task_from_env(env)
     e = os.environ if env is None else env
-    port = int(e.get(PORT_ENV) or port_for_job(task.job_id, task.restart_count))
+    attempt = int(e.get(ATTEMPT_ENV) or 0)
+    port = int(e.get(PORT_ENV) or port_for_job(task.job_id, task.restart_count, attempt))
     address = step_rendezvous_address(task, client, e, timeout)
     return task, torchrun_environment(task, address, port)
 
@@ -399,6 +403,7 @@ def init_distributed_from_slurm(
 
 __all__ = [
     "ADDR_ENV",
+    "ATTEMPT_ENV",
     "PORT_ENV",
     "RUN_DIR_ENV",
     "LaunchError",
