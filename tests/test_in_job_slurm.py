@@ -146,13 +146,17 @@ def test_fault_on_node2_restarts_on_the_spare_without_a_requeue(
 def test_second_fault_after_the_spare_takes_the_requeue_path(
     idle_slurm_cluster: LocalCluster, clean_weights: str, tmp_path: Path
 ) -> None:
-    """node2 at step 17 uses the spare; node3 at step 22 (after the resume from 10) has no
-    spare left: requeued on 3 nodes without node3. node2 is returned to service by the admin
-    in between (the 4-node cluster has no fifth node for the requeued run)."""
+    """rank 1's node (node2) from step 17 uses the spare; node3 from step 22 (after the resume
+    from 10) finds no spare left: requeued on 3 nodes without node3. The 4-node cluster has no
+    fifth node for the requeued run, so the admin returns node2 in between as repaired: the
+    test takes node2's fault out of the run's resolved fault record, as a repair would."""
+    from slurm_guard.examples.train import FAULT_FILE
+    from slurm_guard.rundir.records import atomic_write_json, read_json_file
+
     client = CommandSlurmClient(env=idle_slurm_cluster.env())
     run_dir, state = tmp_path / "run", tmp_path / "state"
     second = "kind=grad-scale,node=node3,step=22,persistent=1,param=10"
-    job = submit(run_dir, state, f"{FAULT};{second}")
+    job = submit(run_dir, state, f"{FAULT.replace('node=node2', 'node=@rank1')};{second}")
     store = StateStore(state)
     poll(lambda: store.read().in_job_restarts, 240, "the in-job restart")
     poll(
@@ -160,18 +164,13 @@ def test_second_fault_after_the_spare_takes_the_requeue_path(
         60,
         "node2 drained",
     )
+    record = read_json_file(run_dir / FAULT_FILE)
+    assert "node=node2" in record["spec"], record
+    atomic_write_json(run_dir / FAULT_FILE, {**record, "spec": second})
     runner = CliRunner()
     back = runner.invoke(
         main,
-        [
-            "review",
-            "return",
-            "node2",
-            "--reason",
-            "test: fault was injected",
-            "--state-dir",
-            str(state),
-        ],
+        ["review", "return", "node2", "--reason", "test: repaired", "--state-dir", str(state)],
     )
     assert back.exit_code == 0, back.output
 
@@ -215,3 +214,84 @@ def test_fault_that_follows_rank1_holds_the_job(
     assert row["job_id"] == job and "not hardware" in row["reason"]
     client.run(["scancel", job])
     time.sleep(0.5)
+
+
+def test_supervisor_epilog_and_watcher_racing_act_once(
+    idle_slurm_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Two supervisor engine calls, the watcher and the epilog, all at once, on a running job
+    with a spare: one decision, one drain, one restart on the spare, and no requeue."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    from test_controller_unit import make_alarm
+
+    from slurm_guard.controller.engine import Engine
+    from slurm_guard.controller.in_job import Allocation
+    from slurm_guard.controller.policy import Policy
+    from slurm_guard.rundir.layout import RunDir
+
+    client = CommandSlurmClient(env=idle_slurm_cluster.env())
+    store = StateStore(tmp_path / "state")
+    store.ensure()
+    run = tmp_path / "runs" / "run"
+    RunDir(run).ensure()
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nsleep 120\n")
+    job = client.submit(
+        script,
+        [
+            "--nodes=4",
+            "--ntasks-per-node=1",
+            f"--output={tmp_path}/o-%j",
+            f"--comment=slurm-guard:run_dir={run}",
+        ],
+    )
+    poll(lambda: (i := client.job(job)) is not None and i.state == "RUNNING", 30, "job running")
+    RunDir(run).write_alarm(make_alarm(job, "a1", "sdc", ("node2",), step=20))
+    view = Allocation(("node1", "node2", "node3", "node4"), ("node1", "node2", "node3"), 3, 1)
+    reports: list[Any] = []
+
+    def supervisor() -> None:
+        reports.append(
+            Engine(client, store, Policy()).process_job(job, run, in_job=True, spares=view)
+        )
+
+    env = {**os.environ, "SLURM_GUARD_STATE_DIR": str(store.root), "SLURM_JOB_ID": job}
+    entry = [sys.executable, "-c", "from slurm_guard.cli import main; main()"]
+    others = [
+        subprocess.Popen([*entry, "controller", "--runs-root", str(tmp_path / "runs")], env=env),
+        subprocess.Popen(
+            [*entry, "epilog", "--runs-root", str(tmp_path / "runs")],
+            env={**env, "SLURM_JOB_EXIT_CODE2": "0:0", "SLURM_JOB_NODELIST": "node[1-4]"},
+        ),
+    ]
+    threads = [threading.Thread(target=supervisor) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(p.wait(timeout=60) == 0 for p in others)
+    journal = store.read()
+    assert [e["type"] for e in journal.entries].count("alarm") == 1
+    done = [e["op"] for e in journal.entries if e["type"] == "done"]
+    assert done == ["drain"], done
+    (restart,) = journal.in_job_restarts
+    assert restart["left"] == ["node2"] and restart["joined"] == ["node4"]
+    assert sum(1 for r in reports if r.in_job is not None) == 1
+    info = client.job(job)
+    assert info is not None and info.state == "RUNNING" and info.restart_count == 0
+    client.run(["scancel", job])
+    wait_ended(client, job, run, 30)
+    # the epilog of the ended job finds the alarm decided: nothing more
+    after = subprocess.run(
+        [*entry, "epilog", "--runs-root", str(tmp_path / "runs")],
+        env={**env, "SLURM_JOB_EXIT_CODE2": "0:15", "SLURM_JOB_NODELIST": "node[1-4]"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert after.returncode == 0, after.stderr
+    assert [e["op"] for e in store.read().entries if e["type"] == "done"] == ["drain"]

@@ -244,6 +244,7 @@ def make_plan(
         )
     elif not hold_only:
         actions.append(Action(f"{plan_id}:exclude", "exclude", job_id, (rc, *exclude)))
+    if not hold_only:
         actions.append(Action(f"{plan_id}:release", "release", job_id, (rc, *exclude)))
         actions.append(Action(f"{plan_id}:start", "start", job_id, (rc,)))
     return Plan(plan_id, job_id, run_dir, alarm_ids, auto, tuple(actions), now)
