@@ -194,3 +194,36 @@ def test_prometheus_counts_in_job_restarts_and_holds_by_rule() -> None:
     )
     counts = _counts(journal)
     assert counts["in_job_restarts"][()] == 1 and counts["holds"][("loop",)] == 1
+
+
+def test_the_timeline_gives_an_in_job_restart_a_run_of_its_own(tmp_path: Path) -> None:
+    """Slurm's restart count stays 0 across a restart on a spare; the report's runs must not."""
+    from slurm_guard.report.timeline import read_timeline
+    from slurm_guard.rundir.layout import RunDir
+    from slurm_guard.rundir.records import LedgerEntry, append_ledger
+
+    rd = RunDir(tmp_path / "run")
+    rd.ensure()
+    for step, when in ((5, 10.0), (10, 20.0), (15, 30.0), (15, 60.0), (20, 70.0)):
+        append_ledger(rd.ledger, LedgerEntry(step, "replay", True, {"loss": 1.0}, 0, when))
+    rd.write_alarm(alarm("a1", "node2", step=20))
+    rd.mark_handled(
+        "a1",
+        {
+            "alarm_id": "a1",
+            "resumed_from_step": 10,
+            "restart_count": 0,
+            "time": 50.0,
+            "quarantined": [],
+        },
+    )
+    t = read_timeline(rd.root)
+    assert [r.restart_count for r in t.rollbacks] == [1]
+    assert [(c.step, c.restart_count) for c in t.checks] == [
+        (5, 0),
+        (10, 0),
+        (15, 0),
+        (15, 1),
+        (20, 1),
+    ]
+    assert [seg[0] for seg in t.segments()] == [0, 1]
