@@ -141,6 +141,8 @@ def test_fault_on_node2_restarts_on_the_spare_without_a_requeue(
     view = status_json(str(run_dir), state)
     (row,) = view["in_job_restarts"]
     assert row["left"] == ["node2"] and row["joined"] == ["node4"] and row["resume_step"] == 10
+    text = CliRunner().invoke(main, ["status", str(run_dir), "--state-dir", str(state)]).output
+    assert "IN-JOB RESTART" in text and "node4" in text and "step 10 (checkpoint)" in text, text
 
 
 def test_second_fault_after_the_spare_takes_the_requeue_path(
@@ -219,8 +221,8 @@ def test_fault_that_follows_rank1_holds_the_job(
 def test_supervisor_epilog_and_watcher_racing_act_once(
     idle_slurm_cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """Two supervisor engine calls, the watcher and the epilog, all at once, on a running job
-    with a spare: one decision, one drain, one restart on the spare, and no requeue."""
+    """Two supervisor engine calls, the watcher, the epilog and `recover`, all at once, on a
+    running job with a spare: one decision, one drain, one restart on the spare, no requeue."""
     import os
     import subprocess
     import sys
@@ -268,6 +270,9 @@ def test_supervisor_epilog_and_watcher_racing_act_once(
             env={**env, "SLURM_JOB_EXIT_CODE2": "0:0", "SLURM_JOB_NODELIST": "node[1-4]"},
         ),
     ]
+    engine = Engine(client, store, Policy())
+    engine.record_step(job, event="start", attempt=0, nodes=list(view.active), run_dir=str(run))
+    others.append(subprocess.Popen([*entry, "recover", "--run-dir", str(run)], env=env))
     threads = [threading.Thread(target=supervisor) for _ in range(2)]
     for t in threads:
         t.start()
@@ -275,7 +280,7 @@ def test_supervisor_epilog_and_watcher_racing_act_once(
         t.join()
     assert all(p.wait(timeout=60) == 0 for p in others)
     journal = store.read()
-    assert [e["type"] for e in journal.entries].count("alarm") == 1
+    assert [e["type"] for e in journal.entries].count("alarm") == 1, journal.entries
     done = [e["op"] for e in journal.entries if e["type"] == "done"]
     assert done == ["drain"], done
     (restart,) = journal.in_job_restarts

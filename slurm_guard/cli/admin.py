@@ -77,6 +77,11 @@ def recover_cmd(
     if not job_id:
         raise click.ClickException("SLURM_JOB_ID is not set: run `recover` inside the batch job")
     engine = make_engine(ctx, state_dir, dry_run)
+    if engine.store.read().supervised(job_id):
+        # Only the supervisor can start the step again on a spare; acting here would requeue
+        # a job that can recover inside its allocation.
+        click.echo(f"job {job_id} runs under `slurm-guard supervise`, which decides; nothing done")
+        return
     with _ignoring_sigterm():
         report = engine.process_job(job_id, run_dir, in_job=True)
     print_reports([report], as_json)

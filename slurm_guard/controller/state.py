@@ -186,6 +186,10 @@ class Journal:
         )
         return in_job + requeues
 
+    def supervised(self, job_id: str) -> bool:
+        """An in-job supervisor runs the job's training steps (it journaled one)."""
+        return any(e.get("job_id") == job_id for e in self.job_steps)
+
     def nodes_left_by(self, job_id: str) -> set[str]:
         """Nodes the job left in its allocation after an alarm: never used by it again."""
         return {
