@@ -227,3 +227,22 @@ def test_the_timeline_gives_an_in_job_restart_a_run_of_its_own(tmp_path: Path) -
         (20, 1),
     ]
     assert [seg[0] for seg in t.segments()] == [0, 1]
+
+
+def test_engine_with_a_spent_budget_drains_the_node_and_holds_the_job(tmp_path: Path) -> None:
+    import os
+
+    from test_controller_unit import FakeSlurm, make_alarm, write_alarm
+
+    from slurm_guard.controller.engine import Engine
+    from slurm_guard.controller.state import StateStore
+
+    slurm = FakeSlurm()
+    slurm.add_job("100", ("node1", "node2", "node3"), user_id=os.getuid())
+    store = StateStore(tmp_path / "state")
+    write_alarm(tmp_path / "run", make_alarm("100"))
+    report = Engine(slurm, store, Policy(restart_budget=0)).process_job("100", tmp_path / "run")
+    assert "restart budget spent" in report.held
+    done = [e["op"] for e in store.read().entries if e["type"] == "done"]
+    assert done == ["drain", "requeue_hold"]  # held: no exclude, release or start
+    assert slurm.jobs["100"].held

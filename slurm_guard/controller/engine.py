@@ -24,7 +24,7 @@ from slurm_guard.controller import admin
 from slurm_guard.controller.actions import MAX_REASON_LEN, Narrate, execute_plan, make_plan
 from slurm_guard.controller.in_job import Allocation, InJobOutcome, healthy_nodes, restart_record
 from slurm_guard.controller.intake import read_alarm_files
-from slurm_guard.controller.loops import apply_job_rules
+from slurm_guard.controller.loops import BUDGET, LOOP, apply_job_rules
 from slurm_guard.controller.metrics import publish
 from slurm_guard.controller.policy import Decision, JobFacts, Outcome, Policy, decide, drain_reason
 from slurm_guard.controller.report import EngineError, JobReport, RetryLater, summarize
@@ -328,8 +328,11 @@ class Engine:
         before any drain, so the epilog and the watcher see it and requeue nothing.
         """
         leave = {n for _, d, _ in act for n in d.exclude_nodes}
+        # The loop rule and a spent budget hold the job whatever else the pass found; an
+        # ambiguous alarm beside a convicted node does not stop the requeue (as before).
+        holding = any(d.hold_kind in (LOOP, BUDGET) for _, d, _ in hold)
         restart_on = None
-        if spares is not None and act and not hold and self.policy.in_job_restarts:
+        if spares is not None and act and not holding and self.policy.in_job_restarts:
             restart_on = healthy_nodes(spares, leave, journal.nodes_left_by(job_id), self.client)
         shrink: tuple[int, int] | None = None
         if spares is not None and spares.spares > 0 and restart_on is None:
@@ -345,7 +348,7 @@ class Engine:
             drains=[(n, why, a) for a, d, why in every for n in d.drain_nodes],
             exclude=tuple(sorted(leave)),
             restart_count=info.restart_count,
-            hold_only=not act or bool(hold),
+            hold_only=not act or holding,
             auto=True,
             now=self.clock(),
             in_place=restart_on is not None,
