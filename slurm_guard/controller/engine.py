@@ -38,6 +38,7 @@ from slurm_guard.controller.state import (
     LockTimeout,
     Plan,
     ScratchStore,
+    StateError,
     StateStore,
 )
 from slurm_guard.protocol import DEFAULT_STATE_DIR
@@ -192,11 +193,18 @@ class Engine:
             self.publish_metrics()
 
     def record_step(self, job_id: str, **fields: object) -> None:
-        """Journal one transition of the in-job supervisor (a step started or ended)."""
+        """Journal one transition of the in-job supervisor (a step started or ended).
+
+        Never raises: a journal that is busy or unwritable for once must not stop training;
+        the line is lost and the log says so (decisions take the lock again, and fail closed).
+        """
         if self.dry_run:
             return
-        with self.store.locked(self.lock_timeout_s):
-            self.store.append(JOB_STEP, job_id=job_id, **fields)
+        try:
+            with self.store.locked(self.lock_timeout_s):
+                self.store.append(JOB_STEP, job_id=job_id, **fields)
+        except (StateError, OSError) as exc:
+            logger.warning("job %s: step transition not journaled (%s): %s", job_id, exc, fields)
 
     def publish_metrics(self) -> bool:
         """Rewrite the Prometheus textfile policy.json names, if any (never raises)."""
