@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from slurm_guard.guard import Guard, exit_on_alarm
     from slurm_guard.rundir.records import Alarm
     from slurm_guard.sharded.guard import ShardedGuard
-    from slurm_guard.slurm.launch import init_distributed_from_slurm
+    from slurm_guard.slurm.task import init_distributed_from_slurm
 
 _EXPORTS = {
     "CollectiveError": "slurm_guard.comm.errors",
@@ -52,7 +52,7 @@ _EXPORTS = {
     "Alarm": "slurm_guard.rundir.records",
     "Microbatches": "slurm_guard.checks.replay",
     "is_replaying": "slurm_guard.checks.replay",
-    "init_distributed_from_slurm": "slurm_guard.slurm.launch",
+    "init_distributed_from_slurm": "slurm_guard.slurm.task",
 }
 
 MOVED_MODULES = {

@@ -54,7 +54,7 @@ def slurm_task_main(
     `result_file` into `$SLURM_GUARD_RUN_DIR`. Returns the run's exit code (86 after an
     alarm)."""
     from slurm_guard.rundir.records import atomic_write_json
-    from slurm_guard.slurm.launch import RUN_DIR_ENV, init_distributed_from_slurm, task_from_env
+    from slurm_guard.slurm.task import RUN_DIR_ENV, init_distributed_from_slurm, task_from_env
 
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("--out", required=True, help="the framework's output (checkpoints)")

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_guard.slurm import client as slurm_client
-from slurm_guard.slurm.launch import init_distributed_from_slurm
+from slurm_guard.slurm.task import init_distributed_from_slurm
 
 
 def main(out: Path) -> None:

@@ -172,3 +172,20 @@ def test_sharded_drill_via_sbatch_template_with_in_job_recovery(
     suspect = json.loads((faulty / "injected-fault.json").read_text())["nodes"][3]
     assert f"controller (in-job) drains exactly {suspect}" in out
     check_history(work, state, suspect)
+
+
+@pytest.mark.parametrize("via", ["submitit", "sbatch"])
+def test_drill_with_a_spare_restarts_inside_the_allocation(
+    cluster: LocalCluster, tmp_path: Path, via: str
+) -> None:
+    """`drill --slurm --spares 1`: the job holds 4 nodes, trains on 3, and after the alarm the
+    step restarts on the spare; Slurm never requeues it (launch(spares=1) / the template)."""
+    state, work = tmp_path / "state", tmp_path / "work"
+    out = drill(work, state, "--slurm", "--spares", "1", "--via", via)
+    assert "step restarts on a spare without node2, no requeue" in out
+    assert "not requeued (Restarts=0)" in out
+    (faulty,) = work.glob("faulty-*")
+    (clean,) = work.glob("clean-*")
+    a, b = read_result(clean), read_result(faulty)
+    assert a is not None and b is not None and a["weight_sha256"] == b["weight_sha256"]
+    assert b["restart_count"] == 0 and "node2" not in b["nodes"]

@@ -15,8 +15,8 @@ from slurm_utils import wait_for
 from support.local_cluster import LocalCluster
 
 from slurm_guard.slurm.client import CommandSlurmClient
-from slurm_guard.slurm.launch import RUN_DIR_ENV
 from slurm_guard.slurm.parsers import expand_hostlist
+from slurm_guard.slurm.task import RUN_DIR_ENV
 
 TESTS = Path(__file__).resolve().parent
 FORMS = json.loads((TESTS / "data" / "hostnames_forms.json").read_text())["expansions"]

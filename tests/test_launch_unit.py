@@ -14,29 +14,27 @@ import pytest
 import torch.distributed as dist
 
 from slurm_guard.local.launch import free_port
-from slurm_guard.slurm.launch import (
+from slurm_guard.slurm.launch import check_run_dir, recovery_lines, render_sbatch
+from slurm_guard.slurm.parsers import (
+    NodeInfo,
+    SlurmParseError,
+    expand_hostlist,
+    parse_tasks_per_node,
+)
+from slurm_guard.slurm.task import (
     ADDR_ENV,
     PORT_BASE,
     PORT_ENV,
     PORT_SPAN,
     RUN_DIR_ENV,
     LaunchError,
-    check_run_dir,
     init_distributed_from_slurm,
     port_for_job,
-    recovery_lines,
-    render_sbatch,
     rendezvous_address,
     rendezvous_file,
     step_rendezvous_address,
     task_from_env,
     torchrun_environment,
-)
-from slurm_guard.slurm.parsers import (
-    NodeInfo,
-    SlurmParseError,
-    expand_hostlist,
-    parse_tasks_per_node,
 )
 
 DATA = Path(__file__).resolve().parent / "data"

@@ -77,9 +77,95 @@ def recover_cmd(
     if not job_id:
         raise click.ClickException("SLURM_JOB_ID is not set: run `recover` inside the batch job")
     engine = make_engine(ctx, state_dir, dry_run)
+    if engine.store.read().supervised(job_id):
+        # Only the supervisor can start the step again on a spare; acting here would requeue
+        # a job that can recover inside its allocation.
+        click.echo(f"job {job_id} runs under `slurm-guard supervise`, which decides; nothing done")
+        return
     with _ignoring_sigterm():
         report = engine.process_job(job_id, run_dir, in_job=True)
     print_reports([report], as_json)
+
+
+@click.command("supervise", context_settings={"ignore_unknown_options": True})
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    envvar="SLURM_GUARD_RUN_DIR",
+    required=True,
+    help="The job's run directory (default: $SLURM_GUARD_RUN_DIR).",
+)
+@click.option(
+    "--nodes",
+    "train_nodes",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Nodes a training step runs on; the rest of the allocation are spares.",
+)
+@click.option(
+    "--tasks-per-node",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Tasks of the training step on each node (one per GPU).",
+)
+@state_dir_option
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+@handle_errors
+def supervise_cmd(
+    ctx: click.Context,
+    run_dir: Path,
+    train_nodes: int,
+    tasks_per_node: int,
+    state_dir: Path,
+    command: tuple[str, ...],
+) -> None:
+    """In-job supervisor: run the training step on N nodes, restart it on a spare after an alarm.
+
+    Runs inside the batch script of a job that holds more nodes than it trains on (submit
+    --spares). After an alarm the controller engine drains the convicted node and the step
+    starts again on N healthy nodes of the same allocation: same job id, no trip through the
+    queue. With no healthy spare left it requeues the job without the node; when the alarms
+    follow the job from node to node it holds the job. Exits with the last step's status.
+
+    Example:
+
+        \b
+        slurm-guard supervise --nodes 3 --run-dir "$RUN_DIR" -- slurm-guard task -- python train.py
+    """
+    from slurm_guard.controller.supervisor import supervise
+    from slurm_guard.slurm.client import run_training_step
+    from slurm_guard.slurm.parsers import expand_hostlist
+
+    job_id = os.environ.get("SLURM_JOB_ID")
+    allocation = expand_hostlist(os.environ.get("SLURM_JOB_NODELIST", "") or "")
+    if not job_id or not allocation:
+        raise click.ClickException(
+            "SLURM_JOB_ID or SLURM_JOB_NODELIST is not set: run `supervise` in the batch script"
+        )
+    if len(allocation) < train_nodes:
+        raise click.ClickException(
+            f"the job holds {len(allocation)} node(s) but --nodes is {train_nodes}: submit with "
+            "--nodes N+S (submit --spares S does it)"
+        )
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    engine = make_engine(ctx, state_dir, False)
+    status = supervise(
+        engine,
+        job_id,
+        run_dir.absolute(),
+        allocation,
+        train_nodes,
+        tasks_per_node,
+        command,
+        run_training_step,
+        deciding=_ignoring_sigterm,
+        echo=lambda line: click.echo(line),
+    )
+    sys.stdout.flush()
+    sys.exit(status)
 
 
 @click.command("controller")
@@ -179,5 +265,12 @@ def epilog_cmd(ctx: click.Context, state_dir: Path, runs_root: Path | None, dry_
 
 def register_admin_commands(group: click.Group) -> None:
     """Attach the operator commands to the top-level group."""
-    for command in (status_cmd, review_group, recover_cmd, controller_cmd, epilog_cmd):
+    for command in (
+        status_cmd,
+        review_group,
+        recover_cmd,
+        supervise_cmd,
+        controller_cmd,
+        epilog_cmd,
+    ):
         group.add_command(command)

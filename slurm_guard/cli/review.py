@@ -79,6 +79,10 @@ def review_group(ctx: click.Context, as_json: bool, state_dir: Path) -> None:
             for w in view["awaiting_approval"]
         ]
         click.echo(table(rows, ["ALARM", "JOB", "STATE", "SUSPECTS", "WHY"]))
+    if view.get("held_jobs"):
+        click.echo("")
+        rows = [[h["job_id"], h["kind"], h["reason"]] for h in view["held_jobs"]]
+        click.echo(table(rows, ["HELD JOB", "RULE", "WHY"]))
     for p in view["pending_jobs"]:
         click.echo(
             safe(f"pending job {p.get('job_id')}: {p.get('reason')} ({p.get('attempts')} attempts)")

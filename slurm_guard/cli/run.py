@@ -28,7 +28,11 @@ def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
 
 @click.command("drill")
 @click.option(
-    "--local", "local", is_flag=True, help="No Slurm: local processes, dry-run controller."
+    "--local/--slurm",
+    "local",
+    default=False,
+    help="--local: no Slurm, local processes, dry-run controller; --slurm (the default): the "
+    "real cluster.",
 )
 @click.option(
     "--sharded",
@@ -64,6 +68,14 @@ def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
     help="Who acts on the alarm: the in-job recovery step, or the site's epilog only.",
 )
 @click.option(
+    "--spares",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Spare nodes in the drill job's allocation (Slurm drill, in-job controller): the step "
+    "restarts on one instead of the job being requeued.",
+)
+@click.option(
     "--work-dir",
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
@@ -94,6 +106,7 @@ def drill_cmd(
     steps: int,
     via: str,
     controller: str,
+    spares: int,
     work_dir: Path | None,
     state_dir: Path,
     timeout: float,
@@ -111,7 +124,9 @@ def drill_cmd(
     checkpoints instead of DDP.
 
     The Slurm drill drains a real node (returned to service at the end unless
-    --keep-drained) and needs nodes+1 free nodes and a --work-dir on shared storage.
+    --keep-drained) and needs nodes+1 free nodes and a --work-dir on shared storage. With
+    --spares S it needs nodes+S: the job holds them all, the step restarts on a spare after the
+    alarm, and the job is never requeued.
 
     Example:
 
@@ -119,6 +134,7 @@ def drill_cmd(
         slurm-guard drill --local
         slurm-guard drill --local --sharded
         slurm-guard drill --nodes 3 --via sbatch --work-dir /shared/drills --sbatch partition=debug
+        slurm-guard drill --slurm --spares 1 --work-dir /shared/drills
     """
     from slurm_guard.drill import DrillError, SlurmDrillOptions, run_local_drill, run_slurm_drill
 
@@ -146,6 +162,7 @@ def drill_cmd(
                 state_dir=state_dir,
                 timeout=timeout,
                 keep_drained=keep_drained,
+                spares=spares,
                 sbatch_options=tuple((k, str(v)) for k, v in _sbatch_options(sbatch_args).items()),
             )
             report = run_slurm_drill(work_dir, opts, echo=click.echo)
@@ -198,6 +215,14 @@ def drill_cmd(
     default=None,
     help="Total tasks instead of --tasks-per-node (CPU), for a layout that leaves CPUs unused.",
 )
+@click.option(
+    "--spares",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Spare nodes held in the allocation: after an alarm the step restarts on one "
+    "instead of requeuing the job.",
+)
 @click.option("--job-name", default="guarded-ddp", show_default=True)
 @state_dir_option
 @click.option(
@@ -221,6 +246,7 @@ def submit_cmd(
     gpus_per_node: int,
     tasks_per_node: int | None,
     tasks: int | None,
+    spares: int,
     job_name: str,
     state_dir: Path,
     sbatch_args: tuple[str, ...],
@@ -232,14 +258,15 @@ def submit_cmd(
 
     COMMAND is the training command each task runs (after `--`); it gets the run directory
     as $SLURM_GUARD_RUN_DIR. Default: the example trainer (python -m
-    slurm_guard.examples.train). Prints the job id.
+    slurm_guard.examples.train). Prints the job id. With --spares S the job holds N+S nodes
+    and trains on N through `slurm-guard supervise`.
 
     Example:
 
         \b
         slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --gpus-per-node 8 \\
             -- python train.py --epochs 3
-        slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --dry-run
+        slurm-guard submit --run-dir /shared/runs/demo --nodes 3 --spares 1 --dry-run
     """
     from slurm_guard.slurm.launch import (
         LaunchError,
@@ -256,6 +283,7 @@ def submit_cmd(
             gpus_per_node=gpus_per_node,
             tasks_per_node=tasks_per_node,
             tasks=tasks,
+            spares=spares,
             train_command=list(command) or default_train_command(),
             job_name=job_name,
             state_dir=str(state_dir),
@@ -340,7 +368,7 @@ def task_cmd(command: tuple[str, ...]) -> None:
         \b
         srun slurm-guard task -- python train.py
     """
-    from slurm_guard.slurm.launch import LaunchError, task_environment
+    from slurm_guard.slurm.task import LaunchError, task_environment
 
     try:
         _, exported = task_environment()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,29 @@ def _print_status(view: dict[str, Any]) -> None:
             for a in view["controller_actions"]
         ]
         click.echo(table(rows, ["ACTION", "TARGET", "RESULT", "DETAIL"]))
+    _print_in_job(view)
+
+
+def _print_in_job(view: dict[str, Any]) -> None:
+    """Restarts inside the allocation, and why the job is held, if it is."""
+    if view.get("held"):
+        click.echo("")
+        field("held", view["held"])
+    restarts = view.get("in_job_restarts") or []
+    if not restarts:
+        return
+    click.echo("")
+    rows = [
+        [
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(r["time"] or 0))),
+            names(r["left"]),
+            names(r["joined"]),
+            "-" if r["resume_step"] is None else f"step {r['resume_step']} ({r['resume_source']})",
+            "-" if r["seconds"] is None else f"{r['seconds']:.1f}",
+        ]
+        for r in restarts
+    ]
+    click.echo(table(rows, ["IN-JOB RESTART", "NODE LEFT", "SPARE JOINED", "RESUME", "SECONDS"]))
 
 
 @click.command("status")

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 START_DELAY = "now+2"
 """Restart delay after release. `now` once failed a job for good ("Job credential revoked")."""
-REQUEUE_OPS = ("requeue_hold", "exclude", "release", "start")
+REQUEUE_OPS = ("requeue_hold", "exclude", "exclude_resize", "release", "start")
 MAX_REASON_LEN = 200
 
 Handler = Callable[[SlurmClient, Action], ActionResult]
@@ -84,11 +84,35 @@ def _requeue_hold(
 def _exclude(
     client: SlurmClient, job_id: str, info: JobInfo, _restart: int, nodes: tuple[str, ...]
 ) -> ActionResult:
-    if set(nodes) <= set(info.excluded_nodes):
+    return _set_exclusion(client, job_id, info, nodes, None)
+
+
+@_on_job
+def _exclude_resize(
+    client: SlurmClient, job_id: str, info: JobInfo, _restart: int, args: tuple[str, ...]
+) -> ActionResult:
+    """A job with spares goes back through the queue on N nodes: exclusion and size at once
+    (Slurm 22.05 ignores a NumNodes update that does not come with NumTasks)."""
+    size = (int(args[0]), int(args[1]))
+    return _set_exclusion(client, job_id, info, args[2:], size)
+
+
+def _set_exclusion(
+    client: SlurmClient,
+    job_id: str,
+    info: JobInfo,
+    nodes: tuple[str, ...],
+    size: tuple[int, int] | None,
+) -> ActionResult:
+    same_size = size is None or info.fields.get("NumNodes") == str(size[0])
+    if set(nodes) <= set(info.excluded_nodes) and same_size:
         return ActionResult(DONE, f"already excludes {','.join(nodes) or '-'}")
     union = tuple(sorted(set(info.excluded_nodes) | set(nodes)))
     try:
-        client.set_excluded_nodes(job_id, union)
+        if size is None:
+            client.set_excluded_nodes(job_id, union)
+        else:
+            client.set_excluded_nodes(job_id, union, node_count=size[0], task_count=size[1])
     except SlurmUnavailable:
         raise
     except SlurmCommandError as exc:
@@ -100,6 +124,10 @@ def _exclude(
         raise RetryLater(
             f"job {job_id} is {info.state}; exclusion waits until it is pending ({exc})"
         ) from None
+    if size is not None:
+        return ActionResult(
+            DONE, f"excluded {','.join(union)}; {size[0]} nodes, {size[1]} tasks (no spares)"
+        )
     return ActionResult(
         DONE, f"excluded {','.join(union)}{_task_count_change(client, job_id, info)}"
     )
@@ -160,6 +188,7 @@ HANDLERS: dict[str, Handler] = {
     "drain": _drain,
     "requeue_hold": _requeue_hold,
     "exclude": _exclude,
+    "exclude_resize": _exclude_resize,
     "release": _release,
     "start": _start,
 }
@@ -186,8 +215,15 @@ def make_plan(
     hold_only: bool,
     auto: bool,
     now: float,
+    in_place: bool = False,
+    shrink: tuple[int, int] | None = None,
 ) -> Plan:
-    """Drain each suspect once, then requeue-hold; unless `hold_only`, exclude, release, start."""
+    """Drain each suspect once, then requeue-hold; unless `hold_only`, exclude, release, start.
+
+    `in_place`: the job restarts inside its allocation (the in-job supervisor starts the step
+    again): drains only, the job is not touched. `shrink` (nodes, tasks): the exclusion also
+    sets the job's size, for a job with spares that goes back through the queue.
+    """
     n = sum(1 for p in journal.plans.values() if p.job_id == job_id)
     plan_id = f"job{job_id}-r{restart_count}-p{n}"
     actions: list[Action] = []
@@ -198,9 +234,17 @@ def make_plan(
         seen.add(node)
         actions.append(Action(f"{plan_id}:drain:{node}", "drain", node, (why,)))
     rc = str(restart_count)
+    if in_place:
+        return Plan(plan_id, job_id, run_dir, alarm_ids, auto, tuple(actions), now)
     actions.append(Action(f"{plan_id}:requeue_hold", "requeue_hold", job_id, (rc,)))
-    if not hold_only:
+    if not hold_only and shrink is not None:
+        size = (str(shrink[0]), str(shrink[1]))
+        actions.append(
+            Action(f"{plan_id}:exclude", "exclude_resize", job_id, (rc, *size, *exclude))
+        )
+    elif not hold_only:
         actions.append(Action(f"{plan_id}:exclude", "exclude", job_id, (rc, *exclude)))
+    if not hold_only:
         actions.append(Action(f"{plan_id}:release", "release", job_id, (rc, *exclude)))
         actions.append(Action(f"{plan_id}:start", "start", job_id, (rc,)))
     return Plan(plan_id, job_id, run_dir, alarm_ids, auto, tuple(actions), now)

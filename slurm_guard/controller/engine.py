@@ -22,18 +22,23 @@ from pathlib import Path
 
 from slurm_guard.controller import admin
 from slurm_guard.controller.actions import MAX_REASON_LEN, Narrate, execute_plan, make_plan
+from slurm_guard.controller.in_job import Allocation, InJobOutcome, healthy_nodes, restart_record
 from slurm_guard.controller.intake import read_alarm_files
+from slurm_guard.controller.loops import BUDGET, LOOP, apply_job_rules
 from slurm_guard.controller.metrics import publish
 from slurm_guard.controller.policy import Decision, JobFacts, Outcome, Policy, decide, drain_reason
 from slurm_guard.controller.report import EngineError, JobReport, RetryLater, summarize
 from slurm_guard.controller.state import (
     ALARM,
     BAD_FILE,
+    IN_JOB_RESTART,
+    JOB_STEP,
     PLAN,
     Journal,
     LockTimeout,
     Plan,
     ScratchStore,
+    StateError,
     StateStore,
 )
 from slurm_guard.protocol import DEFAULT_STATE_DIR
@@ -114,19 +119,23 @@ class Engine:
         in_job: bool = False,
         allocation: tuple[str, ...] = (),
         lock_timeout_s: float | None = None,
+        spares: Allocation | None = None,
     ) -> JobReport:
         """Handle every undecided alarm of `job_id` in `run_dir` and finish unfinished plans.
 
         `allocation` is the job's node list as slurmctld handed it to the epilog
         (SLURM_JOB_NODELIST): while EpilogSlurmctld runs, `scontrol show job` may already
-        show no nodes. Never raises for bad input or an unreachable slurmctld: the job is
-        left pending in the state dir and the report says why.
+        show no nodes. `spares` is the in-job supervisor's view of a job with spare nodes:
+        then a convicted node is replaced by a spare of the allocation when one is healthy
+        (`report.in_job.restart_on`), and the job is requeued only when none is. Never raises
+        for bad input or an unreachable slurmctld: the job is left pending in the state dir
+        and the report says why.
         """
         report = JobReport(job_id, str(run_dir), allocation=allocation)
         wait = self.lock_timeout_s if lock_timeout_s is None else lock_timeout_s
         try:
             with self.store.locked(wait):
-                self._process_locked(job_id, run_dir, in_job, allocation, report)
+                self._process_locked(job_id, run_dir, in_job, allocation, report, spares)
         except LockTimeout as exc:
             report.lock_busy = True
             self.pend(report, run_dir, str(exc))
@@ -183,6 +192,20 @@ class Engine:
         finally:
             self.publish_metrics()
 
+    def record_step(self, job_id: str, **fields: object) -> None:
+        """Journal one transition of the in-job supervisor (a step started or ended).
+
+        Never raises: a journal that is busy or unwritable for once must not stop training;
+        the line is lost and the log says so (decisions take the lock again, and fail closed).
+        """
+        if self.dry_run:
+            return
+        try:
+            with self.store.locked(self.lock_timeout_s):
+                self.store.append(JOB_STEP, job_id=job_id, **fields)
+        except (StateError, OSError) as exc:
+            logger.warning("job %s: step transition not journaled (%s): %s", job_id, exc, fields)
+
     def publish_metrics(self) -> bool:
         """Rewrite the Prometheus textfile policy.json names, if any (never raises)."""
         return publish(self.store, self.policy, self.client, dry_run=self.dry_run)
@@ -196,6 +219,7 @@ class Engine:
         in_job: bool,
         allocation: tuple[str, ...],
         report: JobReport,
+        spares: Allocation | None = None,
     ) -> None:
         journal = self.store.read()
         for plan in journal.unfinished_plans():
@@ -237,7 +261,8 @@ class Engine:
             facts = dataclasses.replace(facts, nodes=frozenset(allocation))
         drains = journal.auto_drains_since(self.clock() - self.policy.window_s)
         act: list[tuple[str, Decision, str]] = []  # alarm id, decision, drain reason
-        hold: list[str] = []
+        hold: list[tuple[str, Decision, str]] = []
+        alarm_times: list[float] = []
         deferred = False
         for f in todo:
             d = decide(
@@ -249,6 +274,7 @@ class Engine:
                 drains_in_window=drains,
                 in_job=in_job,
             )
+            d = apply_job_rules(f.alarm, d, self.store.read(), job_id, self.policy, self.clock())
             report.decisions[f.alarm.alarm_id] = (d.outcome.value, d.reason)
             log = logger.warning if d.outcome is Outcome.REJECTED else logger.info
             log("job %s alarm %s: %s (%s)", job_id, f.alarm.alarm_id, d.outcome.value, d.reason)
@@ -272,33 +298,88 @@ class Engine:
                 drain_reason=drain_reason(f.alarm)[:MAX_REASON_LEN],
                 message=f.alarm.message[:500],
                 evidence=f.alarm.evidence,
+                hold_kind=d.hold_kind,
             )
+            entry = (f.alarm.alarm_id, d, drain_reason(f.alarm)[:MAX_REASON_LEN])
             if d.outcome is Outcome.ACT:
                 drains += len(d.drain_nodes)
-                act.append((f.alarm.alarm_id, d, drain_reason(f.alarm)[:MAX_REASON_LEN]))
+                act.append(entry)
+                alarm_times.append(f.alarm.created)
             elif d.outcome is Outcome.HOLD:
-                hold.append(f.alarm.alarm_id)
+                drains += len(d.drain_nodes)  # a spent budget holds the job, drains the node
+                hold.append(entry)
+                report.held = d.reason
 
         if (act or hold) and info is not None:
-            exclude = tuple(sorted({n for _, d, _ in act for n in d.exclude_nodes}))
-            plan = make_plan(
-                journal,
-                job_id,
-                str(run_dir),
-                tuple(a for a, _, _ in act) + tuple(hold),
-                drains=[(n, why, a) for a, d, why in act for n in d.drain_nodes],
-                exclude=exclude,
-                restart_count=info.restart_count,
-                hold_only=not act,
-                auto=True,
-                now=self.clock(),
-            )
-            self.store.append(PLAN, job_id=plan.job_id, plan=plan.to_json())
-            self.execute(plan, self.store.read(), report)
+            self._plan(job_id, run_dir, journal, info, act, hold, alarm_times, spares, report)
         if deferred:
             self.pend(report, run_dir, "an alarm's job is still running")
         elif not report.pending:
             self.store.clear_pending(job_id)
+
+    def _plan(
+        self,
+        job_id: str,
+        run_dir: Path,
+        journal: Journal,
+        info: JobInfo,
+        act: list[tuple[str, Decision, str]],
+        hold: list[tuple[str, Decision, str]],
+        alarm_times: list[float],
+        spares: Allocation | None,
+        report: JobReport,
+    ) -> None:
+        """One plan for the pass: restart in the allocation, requeue, or hold; then carry it out.
+
+        In the allocation when the supervisor gave one with a healthy spare, the policy allows
+        it and nothing holds the job; the restart is journaled (IN_JOB_RESTART) with the plan,
+        before any drain, so the epilog and the watcher see it and requeue nothing.
+        """
+        leave = {n for _, d, _ in act for n in d.exclude_nodes}
+        # The loop rule and a spent budget hold the job whatever else the pass found; an
+        # ambiguous alarm beside a convicted node does not stop the requeue (as before).
+        holding = any(d.hold_kind in (LOOP, BUDGET) for _, d, _ in hold)
+        restart_on = None
+        if spares is not None and act and not holding and self.policy.in_job_restarts:
+            restart_on = healthy_nodes(spares, leave, journal.nodes_left_by(job_id), self.client)
+        shrink: tuple[int, int] | None = None
+        if spares is not None and spares.spares > 0 and restart_on is None:
+            # Back through the queue without spares: N+S nodes may no longer exist once the
+            # spares are spent, and the requeued run trains on N anyway.
+            shrink = (spares.train_nodes, spares.train_nodes * spares.tasks_per_node)
+        every = act + hold
+        plan = make_plan(
+            journal,
+            job_id,
+            str(run_dir),
+            tuple(a for a, _, _ in every),
+            drains=[(n, why, a) for a, d, why in every for n in d.drain_nodes],
+            exclude=tuple(sorted(leave)),
+            restart_count=info.restart_count,
+            hold_only=not act or holding,
+            auto=True,
+            now=self.clock(),
+            in_place=restart_on is not None,
+            shrink=shrink,
+        )
+        self.store.append(PLAN, job_id=plan.job_id, plan=plan.to_json())
+        if restart_on is not None and spares is not None:
+            record = restart_record(
+                job_id,
+                plan.plan_id,
+                [a for a, _, _ in act],
+                alarm_times,
+                spares,
+                restart_on,
+                run_dir,
+            )
+            self.store.append(IN_JOB_RESTART, **record)
+            report.in_job = InJobOutcome(restart_on, record)
+            report.actions.append(
+                f"restart in the allocation on {','.join(restart_on)} (left "
+                f"{','.join(record['left'])}, joined {','.join(record['joined'])})"
+            )
+        self.execute(plan, self.store.read(), report)
 
     # ---------------------------------------------------------------- shared with admin
 

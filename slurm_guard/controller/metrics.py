@@ -77,7 +77,19 @@ def _counts(journal: Journal) -> dict[str, Counter[tuple[str, ...]]]:
         "requeues": requeues,
         "failed": failed,
         "admin": admin,
+        **_in_job_counts(journal),
     }
+
+
+def _in_job_counts(journal: Journal) -> dict[str, Counter[tuple[str, ...]]]:
+    """Restarts inside the allocation, and jobs held, by the rule that held them."""
+    restarts: Counter[tuple[str, ...]] = Counter()
+    restarts[()] = len(journal.in_job_restarts)
+    holds: Counter[tuple[str, ...]] = Counter()
+    for e in journal.alarms.values():
+        if e.get("outcome") == "hold":
+            holds[(str(e.get("hold_kind") or "ambiguous"),)] += 1
+    return {"in_job_restarts": restarts, "holds": holds}
 
 
 def families(
@@ -118,6 +130,19 @@ def families(
         "action_failures", "Cluster actions that Slurm refused, by operation.", ("op",), "failed"
     )
     counter("admin_actions", "Admin approvals, returns and retirements.", ("op",), "admin")
+    counter(
+        "in_job_restarts",
+        "Training steps restarted on a spare node of the job's own allocation.",
+        (),
+        "in_job_restarts",
+    )
+    counter(
+        "holds",
+        "Alarms that held their job, by rule: loop (the fault follows the job), budget "
+        "(restart budget spent), ambiguous (no majority).",
+        ("rule",),
+        "holds",
+    )
     bad = CounterMetricFamily(f"{PREFIX}_rejected_files", "Alarm files that could not be read.")
     bad.add_metric([], len(journal.bad_files))
     out.append(bad)

@@ -53,6 +53,15 @@ class Policy:
         retire_days: the window of `retire_after`, in days.
         metrics_file: where the controller writes its Prometheus textfile after every pass
             (node_exporter's --collector.textfile.directory, a name ending in .prom); None: none.
+        restart_budget: restarts (in-job restarts and requeues together) one job may get per
+            `restart_window_s`; the next alarm holds the job instead. 0: never restart.
+        restart_window_s: the window of `restart_budget`, in seconds (default 24 h).
+        loop_nodes: alarms of one check on this many different nodes of one job mean the fault
+            follows the job (software, data, image), not a node: the job is held, nothing
+            more drained. The same check failing again at the same step after a resume on
+            another node means the same at once.
+        in_job_restarts: restart on a healthy spare of the allocation when the job has one
+            (`--spares`); False: always requeue.
     """
 
     mode: str = AUTO
@@ -62,6 +71,10 @@ class Policy:
     retire_after: int | None = None
     retire_days: float = 30.0
     metrics_file: str | None = None
+    restart_budget: int = 3
+    restart_window_s: float = 86400.0
+    loop_nodes: int = 3
+    in_job_restarts: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in (AUTO, APPROVE):
@@ -77,6 +90,10 @@ class Policy:
         if self.metrics_file is not None and not self.metrics_file.endswith(".prom"):
             raise PolicyError(
                 f"metrics_file {self.metrics_file!r}: node_exporter reads only *.prom files"
+            )
+        if self.restart_budget < 0 or self.restart_window_s <= 0 or self.loop_nodes < 2:
+            raise PolicyError(
+                "restart_budget must be >= 0, restart_window_s > 0 and loop_nodes >= 2"
             )
 
     def to_json(self) -> dict[str, Any]:
@@ -94,6 +111,10 @@ class Policy:
             "retire_after",
             "retire_days",
             "metrics_file",
+            "restart_budget",
+            "restart_window_s",
+            "loop_nodes",
+            "in_job_restarts",
         }
         if unknown:
             raise PolicyError(f"{source}: unknown keys {sorted(unknown)}")
@@ -110,6 +131,10 @@ class Policy:
                 metrics_file=(
                     str(obj["metrics_file"]) if obj.get("metrics_file") is not None else None
                 ),
+                restart_budget=int(obj.get("restart_budget", 3)),
+                restart_window_s=float(obj.get("restart_window_s", 86400.0)),
+                loop_nodes=int(obj.get("loop_nodes", 3)),
+                in_job_restarts=_flag(obj.get("in_job_restarts", True), "in_job_restarts"),
             )
         except (TypeError, ValueError) as exc:
             raise PolicyError(f"{source}: {exc}") from None
@@ -129,6 +154,13 @@ class Policy:
         from slurm_guard.rundir.records import atomic_write_json
 
         atomic_write_json(state_dir / POLICY_FILE, self.to_json())
+
+
+def _flag(value: Any, name: str) -> bool:
+    """A JSON boolean; "false" as a string is refused rather than read as true."""
+    if not isinstance(value, bool):
+        raise PolicyError(f"{name}: expected true or false, got {value!r}")
+    return value
 
 
 class Outcome(str, Enum):
@@ -159,6 +191,7 @@ class Decision:
     reason: str
     drain_nodes: tuple[str, ...] = ()
     exclude_nodes: tuple[str, ...] = ()
+    hold_kind: str = ""  # why a HOLD holds: "ambiguous", "loop" (follows the job), "budget"
 
 
 def foreign_reason(reason: str | None) -> bool:
@@ -253,6 +286,7 @@ def decide(
             "ambiguous verdict: no strict majority names a node; job held for review "
             "(approve to drain the suspects and release it)",
             exclude_nodes=nodes,
+            hold_kind="ambiguous",
         )
     if policy.mode == APPROVE:
         return Decision(

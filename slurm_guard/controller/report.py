@@ -39,6 +39,8 @@ class JobReport:
     decisions: dict[str, tuple[str, str]] = field(default_factory=dict)  # alarm -> outcome, why
     actions: list[str] = field(default_factory=list)  # human-readable, in order
     problems: list[str] = field(default_factory=list)  # rejected files and alarms
+    held: str = ""  # why the job is held for review (loop rule, budget, ambiguous verdict)
+    in_job: Any = None  # in_job.InJobOutcome when the job restarts inside its allocation
 
     def lines(self) -> list[str]:
         if self.job_id:

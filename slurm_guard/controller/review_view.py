@@ -152,5 +152,25 @@ def review_view(*, client: SlurmClient | None, store: StateStore) -> dict[str, A
         "nodes": nodes,
         "awaiting_approval": waiting,
         "pending_jobs": pending,
+        "held_jobs": held_jobs(journal),
         "admin_actions": admin,
     }
+
+
+def held_jobs(journal: Journal) -> list[dict[str, Any]]:
+    """Jobs the loop rule or a spent restart budget holds: the newest reason per job."""
+    out: dict[str, dict[str, Any]] = {}
+    for alarm_id, e in journal.alarms.items():
+        kind = e.get("hold_kind")
+        if e.get("outcome") != "hold" or kind not in ("loop", "budget"):
+            continue
+        job_id = str(e.get("job_id"))
+        out[job_id] = {
+            "job_id": job_id,
+            "kind": kind,
+            "reason": e.get("reason"),
+            "alarm_id": alarm_id,
+            "run_dir": e.get("run_dir"),
+            "time": e.get("time"),
+        }
+    return list(out.values())

@@ -43,6 +43,8 @@ SKIPPED = "skipped"
 FAILED = "failed"
 APPROVAL = "approval"  # an admin approved an alarm
 ADMIN = "admin"  # an admin returned or retired a node
+IN_JOB_RESTART = "in_job_restart"  # a job left a node and restarted on a spare of its allocation
+JOB_STEP = "job_step"  # the in-job supervisor started or saw the end of a training step
 RESULTS = (DONE, SKIPPED, FAILED)
 
 
@@ -118,6 +120,8 @@ class Journal:
         self.results: dict[str, dict[str, Any]] = {}
         self.intents: set[str] = set()
         self.bad_files: set[str] = set()
+        self.in_job_restarts: list[dict[str, Any]] = []
+        self.job_steps: list[dict[str, Any]] = []
         for e in entries:
             kind = e.get("type")
             if kind == ALARM:
@@ -133,6 +137,10 @@ class Journal:
                 self.results[str(e["key"])] = e
             elif kind == BAD_FILE:
                 self.bad_files.add(str(e["fingerprint"]))
+            elif kind == IN_JOB_RESTART:
+                self.in_job_restarts.append(e)
+            elif kind == JOB_STEP:
+                self.job_steps.append(e)
 
     def unfinished_plans(self) -> list[Plan]:
         return [p for p in self.plans.values() if any(a.key not in self.results for a in p.actions)]
@@ -157,6 +165,39 @@ class Journal:
                 elif result["type"] == DONE and float(result["time"]) >= since:
                     count += 1
         return count
+
+    def restarts_since(self, job_id: str, since: float) -> int:
+        """The job's restarts since `since`: in-job restarts and planned requeues together.
+
+        The restart budget's count. A requeue counts when it is planned (as drains do for the
+        circuit breaker): an interrupted plan is finished later and must already count.
+        """
+        in_job = sum(
+            1
+            for e in self.in_job_restarts
+            if e.get("job_id") == job_id and float(e.get("time", 0)) >= since
+        )
+        requeues = sum(
+            1
+            for p in self.plans.values()
+            if p.job_id == job_id
+            and p.created >= since
+            and any(a.op == "release" for a in p.actions)
+        )
+        return in_job + requeues
+
+    def supervised(self, job_id: str) -> bool:
+        """An in-job supervisor runs the job's training steps (it journaled one)."""
+        return any(e.get("job_id") == job_id for e in self.job_steps)
+
+    def nodes_left_by(self, job_id: str) -> set[str]:
+        """Nodes the job left in its allocation after an alarm: never used by it again."""
+        return {
+            str(n)
+            for e in self.in_job_restarts
+            if e.get("job_id") == job_id
+            for n in e.get("left", [])
+        }
 
     def for_job(self, job_id: str) -> list[dict[str, Any]]:
         keys = {a.key for p in self.plans.values() if p.job_id == job_id for a in p.actions}

@@ -237,8 +237,59 @@ def status_view(
                     }
                 )
     view["controller_actions"] = actions
+    view["in_job_restarts"] = in_job_restarts(journal, job_id) if job_id else []
+    view["held"] = held_reason(journal, job_id) if job_id else None
     try:
         view["pending"] = store.pending().get(job_id or "", None)
     except OSError:
         view["pending"] = None
     return view
+
+
+# ------------------------------------------------------------------------ in-job restarts
+
+
+def in_job_restarts(journal: Journal, job_id: str) -> list[dict[str, Any]]:
+    """Each restart inside the job's allocation: when, the node that left, the spare that
+    joined, the resume step, and the seconds from the alarm record to the new step's start."""
+    starts = {
+        int(e.get("attempt", -1)): float(e.get("time", 0))
+        for e in journal.job_steps
+        if e.get("job_id") == job_id and e.get("event") == "start"
+    }
+    rows = []
+    for e in journal.in_job_restarts:
+        if e.get("job_id") != job_id:
+            continue
+        attempt = int(e.get("attempt", 0))
+        began = starts.get(attempt)
+        alarm_time = e.get("alarm_time")
+        seconds = (
+            round(began - float(alarm_time), 2)
+            if began is not None and isinstance(alarm_time, (int, float))
+            else None
+        )
+        rows.append(
+            {
+                "time": e.get("time"),
+                "attempt": attempt,
+                "left": list(e.get("left", [])),
+                "joined": list(e.get("joined", [])),
+                "nodes": list(e.get("nodes", [])),
+                "alarm_ids": list(e.get("alarm_ids", [])),
+                "resume_source": e.get("resume_source"),
+                "resume_step": e.get("resume_step"),
+                "seconds": seconds,
+            }
+        )
+    return rows
+
+
+def held_reason(journal: Journal, job_id: str) -> str | None:
+    """Why the controller holds the job (loop rule, spent budget, ambiguous verdict), if it does."""
+    holds = [
+        e
+        for e in journal.alarms.values()
+        if e.get("job_id") == job_id and e.get("outcome") == "hold"
+    ]
+    return str(holds[-1].get("reason", "")) if holds else None

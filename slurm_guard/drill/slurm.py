@@ -36,6 +36,8 @@ class SlurmDrillOptions:
         state_dir: the controller's state directory; share the epilog's.
         keep_drained: leave the drained node drained (default: return it to service).
         sharded: the tiny Llama under HSDP and ShardedGuard (4 tasks on `nodes` nodes).
+        spares: spare nodes in the job's allocation: the step restarts on one inside the job
+            (`slurm-guard supervise`) instead of the job being requeued.
     """
 
     nodes: int = 3
@@ -47,6 +49,7 @@ class SlurmDrillOptions:
     timeout: float = 300.0
     keep_drained: bool = False
     sbatch_options: tuple[tuple[str, str], ...] = ()
+    spares: int = 0
 
 
 def usable_node(node: Any) -> bool:
@@ -71,6 +74,7 @@ def _submit(opts: SlurmDrillOptions, settings: Any, run_dir: Path, client: Any) 
             run_dir=run_dir,
             in_job_recovery=in_job,
             state_dir=str(opts.state_dir),
+            spares=opts.spares,
             job_name=f"sg-drill-{run_dir.name}",
             time=30,
             additional_parameters={"requeue": True, **dict(opts.sbatch_options)},
@@ -85,6 +89,7 @@ def _submit(opts: SlurmDrillOptions, settings: Any, run_dir: Path, client: Any) 
         run_dir=run_dir,
         nodes=opts.nodes,
         tasks=tasks,
+        spares=opts.spares,
         train_command=default_train_command(args),
         job_name=f"sg-drill-{run_dir.name}",
         state_dir=str(opts.state_dir),
@@ -105,6 +110,29 @@ def _job_done(client: Any, job_id: str, run_dir: Path) -> Any:
     if info.state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
         return info
     return None
+
+
+def _restarted_in_place(client: Any, job: str, fault_node: str, opts: SlurmDrillOptions) -> str:
+    """The journal's in-job restart of `job`, checked: the faulty node left, a spare joined,
+    and Slurm never requeued the job."""
+    from slurm_guard.controller.state import StateStore
+
+    store = StateStore(opts.state_dir)
+
+    def restarted() -> dict[str, Any] | None:
+        rows = [e for e in store.read().in_job_restarts if e.get("job_id") == job]
+        return rows[0] if rows else None
+
+    row: dict[str, Any] = poll(
+        restarted, opts.timeout, f"job {job}'s restart inside its allocation"
+    )
+    check(row["left"] == [fault_node], f"left {row['left']}, fault on {fault_node}")
+    info = client.job(job)
+    check(info is not None and info.restart_count == 0, f"job {job} was requeued: {info}")
+    return (
+        f"{fault_node} left, {','.join(row['joined'])} joined; resumes from step "
+        f"{row['resume_step']} ({row['resume_source']}); job {job} not requeued (Restarts=0)"
+    )
 
 
 def run_slurm_drill(
@@ -137,6 +165,11 @@ def run_slurm_drill(
         )
     if opts.nodes < 3:
         raise DrillError("the drill needs --nodes >= 3: attributing a fault takes two witnesses")
+    if opts.spares and (opts.sharded or opts.controller != "in-job"):
+        raise DrillError(
+            "--spares needs the in-job controller (the supervisor restarts the step) and a DDP "
+            "drill (the sharded drill gives a total task count)"
+        )
     if opts.sharded and opts.nodes > SHARDED_TASKS:
         raise DrillError(
             f"the sharded drill runs {SHARDED_TASKS} tasks: give --nodes 3 or {SHARDED_TASKS}"
@@ -148,11 +181,13 @@ def run_slurm_drill(
     work = make_work_dir(work_dir, "slurm-guard-drill-")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     what = f", HSDP 2x2 ({SHARDED_TASKS} tasks), ShardedGuard" if opts.sharded else ""
+    spare = f" + {opts.spares} spare(s)" if opts.spares else ""
     report = DrillReport(
-        f"slurm-guard drill: {opts.nodes}-node job{what} via {opts.via}, "
+        f"slurm-guard drill: {opts.nodes}-node job{spare}{what} via {opts.via}, "
         f"controller {opts.controller}",
         work,
     )
+    need = opts.nodes + max(opts.spares, 1)
     echo(report.title)
     echo(f"work dir: {work} (must be on storage shared by all nodes and the controller)")
     rec = Recorder(report, echo)
@@ -169,7 +204,7 @@ def run_slurm_drill(
             def enough() -> list[Any] | None:
                 # A node just returned to service shows `idle*` for about a second.
                 found = client.nodes()
-                return found if sum(map(usable_node, found)) > opts.nodes else None
+                return found if sum(map(usable_node, found)) >= need else None
 
             try:
                 nodes = poll(enough, min(opts.timeout, 15.0), "free nodes")
@@ -177,9 +212,9 @@ def run_slurm_drill(
                 nodes = client.nodes()
             usable = sorted(n.name for n in nodes if usable_node(n))
             check(
-                len(usable) >= opts.nodes + 1,
+                len(usable) >= need,
                 f"{len(usable)} usable node(s) ({', '.join(usable) or '-'}); the drill needs "
-                f"{opts.nodes + 1}: {opts.nodes} for the job and one spare to come back without "
+                f"{need}: {opts.nodes} for the job and one spare to come back without "
                 "the faulty one. Free nodes or pass a smaller --nodes",
             )
             before = {n.name: n.reason for n in nodes}
@@ -252,28 +287,36 @@ def run_slurm_drill(
             ]
             check(not others, f"also drained: {others}")
             d.append(f"{fault_node}: {reason}")
-        with rec.stage(f"job comes back without {fault_node}") as d:
+        if opts.spares:
+            with rec.stage(f"step restarts on a spare without {fault_node}, no requeue") as d:
+                d.append(_restarted_in_place(client, job, fault_node, opts))
+        else:
+            with rec.stage(f"job comes back without {fault_node}") as d:
 
-            def rerunning() -> Any:
-                i = client.job(job)
-                if i is not None and i.restart_count >= 1 and i.state in ("RUNNING", "COMPLETED"):
-                    return i
-                return None
+                def rerunning() -> Any:
+                    i = client.job(job)
+                    if (
+                        i is not None
+                        and i.restart_count >= 1
+                        and i.state in ("RUNNING", "COMPLETED")
+                    ):
+                        return i
+                    return None
 
-            info = poll(rerunning, opts.timeout, f"job {job} running again")
-            seen = time.time()
-            check(fault_node not in info.nodes, f"rerun on {info.nodes}")
-            check(fault_node in info.excluded_nodes, f"ExcNodeList {info.excluded_nodes}")
-            events = read_events(faulty_dir)
-            stop = next((e for e in events if e["event"] == "alarm"), None)
-            check(stop is not None, "no alarm event in train-events.jsonl")
-            assert stop is not None
-            d.append(
-                f"restart {info.restart_count} on {','.join(info.nodes)} "
-                f"(excluded {','.join(info.excluded_nodes)}); seen RUNNING "
-                f"{seen - float(stop['time']):.1f} s after the guard stopped the first run"
-            )
-        with rec.stage("requeued run resumes from the trusted checkpoint and finishes") as d:
+                info = poll(rerunning, opts.timeout, f"job {job} running again")
+                seen = time.time()
+                check(fault_node not in info.nodes, f"rerun on {info.nodes}")
+                check(fault_node in info.excluded_nodes, f"ExcNodeList {info.excluded_nodes}")
+                events = read_events(faulty_dir)
+                stop = next((e for e in events if e["event"] == "alarm"), None)
+                check(stop is not None, "no alarm event in train-events.jsonl")
+                assert stop is not None
+                d.append(
+                    f"restart {info.restart_count} on {','.join(info.nodes)} "
+                    f"(excluded {','.join(info.excluded_nodes)}); seen RUNNING "
+                    f"{seen - float(stop['time']):.1f} s after the guard stopped the first run"
+                )
+        with rec.stage("the run resumes from the trusted checkpoint and finishes") as d:
             poll(lambda: _job_done(client, job, faulty_dir), opts.timeout, f"job {job} to end")
             result = read_result(faulty_dir)
             check(result is not None, f"no {faulty_dir}/result.json; see its slurm-*.out logs")
@@ -284,8 +327,12 @@ def run_slurm_drill(
                 f"resumed from {result['resumed_from']}, expected {expected}",
             )
             check(result["final_step"] == opts.steps, f"stopped at {result['final_step']}")
-            check(result["restart_count"] >= 1, f"restart count {result['restart_count']}")
+            restarts = result["restart_count"]
+            check(
+                restarts == 0 if opts.spares else restarts >= 1, f"Slurm restart count {restarts}"
+            )
             events = read_events(faulty_dir)
+            stop = next(e for e in events if e["event"] == "alarm")
             starts = [e for e in events if e["event"] == "start"]
             gap = float(starts[-1]["time"]) - float(stop["time"])
             d.append(

@@ -279,6 +279,9 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     try:
         for step in range(start, settings.steps):
             loss = guard.step(batch_of(step, rank))
+            if step == start and rank == 0:
+                # how long a restart took, to the first step it completed (tests print it)
+                _append_event(run_dir, {"event": "first_step", "step": step + 1})
             if (step + 1) % settings.checkpoint_every == 0 or step + 1 == settings.steps:
                 guard.save_checkpoint()
     except SilentDataCorruption as exc:
@@ -318,7 +321,7 @@ def slurm_task(settings: TrainSettings) -> dict[str, Any]:
 
     Exits the process with the guard's code on an alarm, like the command line.
     """
-    from slurm_guard.slurm.launch import init_distributed_from_slurm
+    from slurm_guard.slurm.task import init_distributed_from_slurm
 
     init_distributed_from_slurm()
     try:
@@ -332,7 +335,7 @@ def slurm_task(settings: TrainSettings) -> dict[str, Any]:
 def _init_process_group() -> None:
     """Under srun: from Slurm. Under torchrun (RANK set): from its environment variables."""
     if "SLURM_PROCID" in os.environ and "RANK" not in os.environ:
-        from slurm_guard.slurm.launch import init_distributed_from_slurm
+        from slurm_guard.slurm.task import init_distributed_from_slurm
 
         init_distributed_from_slurm()
     elif "RANK" in os.environ:

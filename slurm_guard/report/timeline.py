@@ -6,12 +6,18 @@ and `quarantine/` what was saved and what was moved aside, and the example train
 `train-events.jsonl` each start. This module only gathers them into one structure; drawing
 is `plot`'s job and the page is `html`'s, so the reading can be tested without matplotlib.
 
+A run is numbered by its restart count, and a restart inside the job's allocation (on a spare
+node, issue 31) keeps Slurm's count. So a rollback whose restart count already ran before it
+starts a run of its own here: the runs are numbered again in time order, and every drawing of
+restarts shows the in-job ones as well.
+
 Files are untrusted and may be damaged; an unreadable one becomes a line in `problems`, shown
 on the page, never an exception that hides the rest of the story.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -83,6 +89,7 @@ class Timeline:
     starts: list[Start] = field(default_factory=list)
     finished_step: int | None = None
     problems: list[str] = field(default_factory=list)
+    loss_times: list[float | None] = field(default_factory=list)  # parallel to `losses`
 
     @property
     def restarts(self) -> list[int]:
@@ -209,6 +216,7 @@ def read_timeline(run_dir: Path) -> Timeline:
         loss = _number(e.detail.get("loss"))
         if loss is not None:
             t.losses.append((e.step, loss, e.restart_count))
+            t.loss_times.append(e.time)
     alarms_dir = run_dir / "alarms"
     if alarms_dir.is_dir():
         for path in sorted(alarms_dir.glob("*.json")):
@@ -256,6 +264,7 @@ def read_timeline(run_dir: Path) -> Timeline:
         loss = _number(ev.get("loss"))
         if loss is not None:
             t.losses.append((step, loss, _int(ev.get("restart_count")) or 0))
+            t.loss_times.append(_number(ev.get("time")))
         if kind == "start":
             nodes = ev.get("nodes")
             t.starts.append(
@@ -269,5 +278,60 @@ def read_timeline(run_dir: Path) -> Timeline:
             )
         elif kind == "finish":
             t.finished_step = step
+    _number_in_job_restarts(t)
     t.losses.sort(key=lambda x: (x[2], x[0]))
     return t
+
+
+def _number_in_job_restarts(t: Timeline) -> None:
+    """Give each restart inside the allocation a run number of its own (see the docstring).
+
+    A rollback starts an in-job run when a record of its restart count is older than it.
+    Records are then assigned to the newest run of their restart count that began at or before
+    their time; runs are numbered (restart count, start time) in order.
+    """
+    timed = [(c.restart_count, c.time) for c in t.checks]
+    timed += [(a.restart_count, a.created) for a in t.alarms]
+    cuts = sorted(
+        (rb.restart_count, rb.time)
+        for rb in t.rollbacks
+        if rb.restart_count is not None
+        and rb.time is not None
+        and any(rc == rb.restart_count and when < rb.time for rc, when in timed)
+    )
+    if not cuts:
+        return
+    starts = sorted({(rc, -math.inf) for rc in t.restarts} | set(cuts))
+    run_of = {start: i for i, start in enumerate(starts)}
+
+    def number(rc: int | None, when: float | None) -> int | None:
+        if rc is None:
+            return None
+        moment = -math.inf if when is None else when
+        began = [s for s in starts if s[0] == rc and s[1] <= moment]
+        return run_of[began[-1]] if began else run_of.get((rc, -math.inf), rc)
+
+    def renumber(rc: int, when: float | None) -> int:
+        n = number(rc, when)
+        return rc if n is None else n
+
+    t.checks = [
+        dataclasses.replace(c, restart_count=renumber(c.restart_count, c.time)) for c in t.checks
+    ]
+    t.alarms = [
+        dataclasses.replace(a, restart_count=renumber(a.restart_count, a.created)) for a in t.alarms
+    ]
+    t.rollbacks = [
+        dataclasses.replace(r, restart_count=number(r.restart_count, r.time)) for r in t.rollbacks
+    ]
+    t.starts = [
+        dataclasses.replace(x, restart_count=renumber(x.restart_count, x.time)) for x in t.starts
+    ]
+    t.checkpoints = [
+        dataclasses.replace(c, restart_count=number(c.restart_count, c.created))
+        for c in t.checkpoints
+    ]
+    t.losses = [
+        (step, loss, renumber(rc, when))
+        for (step, loss, rc), when in zip(t.losses, t.loss_times, strict=True)
+    ]

@@ -186,7 +186,14 @@ class SlurmClient(Protocol):
     def resume(self, node: str) -> None: ...
     def fail(self, node: str, reason: str) -> None: ...
     def requeue_hold(self, job_id: str) -> None: ...
-    def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None: ...
+    def set_excluded_nodes(
+        self,
+        job_id: str,
+        nodes: Sequence[str],
+        *,
+        node_count: int | None = None,
+        task_count: int | None = None,
+    ) -> None: ...
     def release(self, job_id: str) -> None: ...
     def set_start_time(self, job_id: str, when: str) -> None: ...
     def submit(self, script: Path, args: Sequence[str] = ()) -> str: ...
@@ -374,12 +381,30 @@ class CommandSlurmClient:
         """Requeue (running or already ended) and hold, so the exclusion can be set first."""
         self.run(["scontrol", "requeuehold", validate_job_id(job_id)])
 
-    def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
-        """Replace the job's ExcNodeList (only possible while it is pending); empty clears."""
+    def set_excluded_nodes(
+        self,
+        job_id: str,
+        nodes: Sequence[str],
+        *,
+        node_count: int | None = None,
+        task_count: int | None = None,
+    ) -> None:
+        """Replace the job's ExcNodeList (only possible while it is pending); empty clears.
+
+        With `node_count` and `task_count` the same update resizes the job (NumNodes and
+        NumTasks): Slurm 22.05 keeps the old NumNodes when NumTasks is not given with it.
+        """
         if isinstance(nodes, str):
             raise TypeError("nodes must be a sequence of node names, not one string")
         names = ",".join(validate_node_name(n) for n in nodes)
-        self.run(["scontrol", "update", f"JobId={validate_job_id(job_id)}", f"ExcNodeList={names}"])
+        argv = ["scontrol", "update", f"JobId={validate_job_id(job_id)}", f"ExcNodeList={names}"]
+        if (node_count is None) != (task_count is None):
+            raise ValueError("give node_count and task_count together")
+        if node_count is not None and task_count is not None:
+            if node_count < 1 or task_count < node_count:
+                raise ValueError(f"node_count={node_count}, task_count={task_count}")
+            argv += [f"NumNodes={node_count}", f"NumTasks={task_count}"]
+        self.run(argv)
 
     def release(self, job_id: str) -> None:
         self.run(["scontrol", "release", validate_job_id(job_id)])
@@ -401,6 +426,55 @@ class CommandSlurmClient:
         argv = ["sbatch", "--parsable", *args, str(script)]
         result = self.run(argv, timeout=max(self.timeout, SUBMIT_TIMEOUT_S))
         return parse_sbatch_parsable(result.stdout)
+
+
+def training_step_argv(
+    nodes: Sequence[str], tasks_per_node: int, command: Sequence[str]
+) -> list[str]:
+    """`srun` for one training step on exactly `nodes` of the job's allocation.
+
+    The node list is explicit (not --exclude) so that the supervisor knows which spare joined;
+    --kill-on-bad-exit ends the step when one rank fails instead of leaving the others in a
+    collective until the process-group timeout.
+    """
+    if not nodes or tasks_per_node < 1:
+        raise ValueError(f"nodes={list(nodes)}, tasks_per_node={tasks_per_node}")
+    names = ",".join(validate_node_name(n) for n in nodes)
+    return [
+        "srun",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={len(nodes) * tasks_per_node}",
+        f"--ntasks-per-node={tasks_per_node}",
+        f"--nodelist={names}",
+        "--kill-on-bad-exit=1",
+        *command,
+    ]
+
+
+def run_training_step(
+    nodes: Sequence[str],
+    tasks_per_node: int,
+    command: Sequence[str],
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run one training step in the foreground and return srun's exit status.
+
+    No timeout: the step is the training itself. Its output goes where the batch script's
+    does. A status above 128 is a signal's, as the shell reports it.
+    """
+    argv = training_step_argv(nodes, tasks_per_node, command)
+    logger.info("slurm: %s", " ".join(argv))
+    full_env = {**os.environ, **(env or {})}
+    try:
+        status = subprocess.run(argv, env=full_env, check=False).returncode
+    except FileNotFoundError:
+        raise SlurmCommandError(
+            "srun not found on PATH: the supervisor runs inside the batch script of a job",
+            argv,
+            None,
+            "",
+        ) from None
+    return 128 - status if status < 0 else status
 
 
 def _pyslurm_matches(client: CommandSlurmClient) -> bool:

@@ -150,7 +150,14 @@ class DryRunSlurm:
             restart_count=restarts,
         )
 
-    def set_excluded_nodes(self, job_id: str, nodes: Sequence[str]) -> None:
+    def set_excluded_nodes(
+        self,
+        job_id: str,
+        nodes: Sequence[str],
+        *,
+        node_count: int | None = None,
+        task_count: int | None = None,
+    ) -> None:
         if isinstance(nodes, str):
             raise TypeError("nodes must be a sequence of node names, not one string")
         names = tuple(validate_node_name(n) for n in nodes)
@@ -159,6 +166,8 @@ class DryRunSlurm:
             if names
             else f"would clear job {job_id}'s excluded nodes"
         )
+        if node_count is not None:
+            line += f" and shrink it to {node_count} nodes, {task_count} tasks"
         self._job_change(job_id, line, excluded_nodes=names)
 
     def release(self, job_id: str) -> None:
