@@ -7,6 +7,7 @@ Each run keeps its snapshots in its own directory standing in for /dev/shm. Two 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -44,12 +45,12 @@ def _flip_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_a_restart_resumes_from_the_newest_allowed_snapshot_and_skips_a_damaged_one(
+def test_a_restart_resumes_from_the_newest_allowed_snapshot_and_never_from_a_wrong_one(
     tmp_path: Path,
 ) -> None:
     fault = sg.Fault("grad-scale", rank=2, step=17, persistent=True, param=DENSE_WEIGHT)
     runs: dict[str, dict[str, Any]] = {}
-    for name in ("clean", "snapshot", "damaged", "forged"):
+    for name in ("clean", "snapshot", "damaged", "forged", "spare"):
         (tmp_path / name).mkdir()
         faults = () if name == "clean" else (fault,)
         runs[name] = {
@@ -60,7 +61,7 @@ def test_a_restart_resumes_from_the_newest_allowed_snapshot_and_skips_a_damaged_
         }
     first = run_local(run_scenarios, 4, args=(list(runs.values()),), nodes=NODES)
     clean = [o.value[0]["final"] for o in first]
-    for index in (1, 2, 3):
+    for index in (1, 2, 3, 4):
         alarm = first[0].value[index]["alarm"]
         assert alarm["step"] == 20 and alarm["last_verified_step"] == 15
     shm = tmp_path / "shm-damaged"
@@ -74,19 +75,29 @@ def test_a_restart_resumes_from_the_newest_allowed_snapshot_and_skips_a_damaged_
     fingerprint = seal["weight_fingerprint"]
     seal["weight_fingerprint"] = ("1" if fingerprint[0] == "0" else "0") + fingerprint[1:]
     seal_file.write_text(json.dumps(seal))
+    # node n3's memory is empty, as on a spare that joined after an in-job restart
+    shutil.rmtree(next((tmp_path / "shm-spare").iterdir()) / "rank-3")
 
     restart = [
         {**runs[name], "config": _config(tmp_path / f"shm-{name}")}
-        for name in ("snapshot", "damaged", "forged")
+        for name in ("snapshot", "damaged", "forged", "spare")
     ]
     second = run_local(run_scenarios, 4, args=(restart,), nodes=NODES)
+    snapshot, damaged, forged, spare = range(4)
     # the snapshot of step 15, not the checkpoint of step 10: five steps fewer lost
-    assert second[0].value[0]["start"] == 15
-    # rank 1's copy of step 15 is damaged, or node n1's seal is forged: every rank falls back
-    # to the checkpoint
-    assert second[0].value[1]["start"] == 10 and second[0].value[2]["start"] == 10
+    assert second[0].value[snapshot]["start"] == 15
+    assert all(o.value[snapshot]["restored_from_peers"] == [] for o in second)
+    # rank 1's copy is damaged: it takes the weights from rank 0 and its own RNG state from the
+    # copy rank 2 (node n2) keeps; rank 3's node has nothing: rank 0 keeps its copy
+    assert second[0].value[damaged]["start"] == 15
+    assert second[1].value[damaged]["restored_from_peers"] == [0, 2]
+    assert second[0].value[spare]["start"] == 15
+    assert second[3].value[spare]["restored_from_peers"] == [0]
+    # node n1's seal was edited: it claims another state than n2 and n3, so no snapshot is
+    # used and every rank falls back to the checkpoint
+    assert second[0].value[forged]["start"] == 10
     for rank in range(4):
-        for index in (0, 1, 2):
+        for index in (snapshot, damaged, forged, spare):
             resumed = second[rank].value[index]["final"]
             assert _same(clean[rank], resumed), f"rank {rank}, run {index}: not bit-identical"
     # the snapshot of step 20 came from the rolled-back past: gone, and replaced by the rerun

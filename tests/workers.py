@@ -47,7 +47,14 @@ def train_tiny_gpt(
             "start": start,
             "losses": losses,
         }
-    return {"alarm": None, "final": weights(model), "start": start, "losses": losses}
+    snapshots = getattr(guard, "snapshots", None)
+    return {
+        "alarm": None,
+        "final": weights(model),
+        "start": start,
+        "losses": losses,
+        "restored_from_peers": snapshots.restored_from_peers if snapshots else [],
+    }
 
 
 SMALL = TinyGPTConfig(vocab=32, context=8, width=16, heads=2, layers=1, dropout=0.1)

@@ -24,8 +24,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.errors import RankFailed
 from slurm_guard.comm.topology import Topology
 from slurm_guard.config import GuardConfig
+from slurm_guard.core import snapshot_peers as peers
 from slurm_guard.core import stateful
 from slurm_guard.core.snapshot_copy import SnapshotCopier
 from slurm_guard.errors import GuardError
@@ -63,7 +66,11 @@ class NodeSnapshots:
         run_id: str,
         world_size: int,
         device: torch.device,
+        comm: Collective,
+        topology: Topology,
     ) -> None:
+        self.comm = comm
+        self.topology = topology
         self.rank = rank
         self.leader = leader  # the node's first rank: it keeps the model and optimizer
         self.run_id = run_id
@@ -73,6 +80,8 @@ class NodeSnapshots:
         self.copier = SnapshotCopier(self.store, device)
         self.loaded: SnapshotSeal | None = None  # the snapshot the last resume loaded
         self.target: SnapshotLoad | None = None  # what a resume restores into (the core's)
+        self.restored_from_peers: list[int] = []  # ranks that sent this rank its snapshot
+        self._kept: dict[int, bytes] = {}  # other ranks' own state, from the loaded snapshot
 
     # ------------------------------------------------------------------ taking
 
@@ -91,7 +100,20 @@ class NodeSnapshots:
         `fingerprint` is the state's fingerprint on the device (what a checkpoint seals): the
         writer thread reads it to the host, so the step never waits for it.
         """
-        state: dict[str, Any] = {"rng": rng, "stateful": stateful}
+        own = {"rng": rng, "stateful": stateful}
+        # The peer copy of each rank's own state: a collective (every rank is here, after the
+        # same passing vote), small next to the weights.
+        peer = peers.peer_of(self.topology, self.rank)
+        sends = {peer: peers.to_bytes(own)} if peer is not None else {}
+        kept = peers.exchange_bytes(
+            self.comm, sends, peers.kept_for(self.topology, self.rank), "snapshot: peer copies"
+        )
+        state: dict[str, Any] = {
+            **own,
+            "peers": {
+                str(q): torch.frombuffer(bytearray(b), dtype=torch.uint8) for q, b in kept.items()
+            },
+        }
         if self.rank == self.leader:
             state["model"] = module.state_dict()
             state["optimizer"] = optimizer.state_dict()
@@ -102,6 +124,7 @@ class NodeSnapshots:
             weight_fingerprint=lambda: as_hex(fingerprint),
             fingerprint_seed=seed,
             world_size=self.world_size,
+            peers=tuple(sorted(kept)),
         )
 
     def fence(self) -> None:
@@ -113,9 +136,10 @@ class NodeSnapshots:
 
     # ------------------------------------------------------------------ resuming
 
-    def usable(self) -> list[tuple[int, int]]:
-        """(step, sealed fingerprint as an int) of each snapshot this rank could load, newest first.
+    def usable(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(step, sealed fingerprint as an int, ranks whose own state it keeps) per snapshot.
 
+        Newest first.
         A snapshot needs this rank's own files and the node's first rank's (the weights), both
         sealed by this run for this world size and undamaged.
         """
@@ -128,7 +152,7 @@ class NodeSnapshots:
                 logger.warning("skipping snapshot step-%08d: %s", seal.step, problem)
                 continue
             assert leader is not None
-            found.append((seal.step, int(leader.weight_fingerprint[:15], 16)))
+            found.append((seal.step, int(leader.weight_fingerprint[:15], 16), seal.peers))
         return found[:KEPT]
 
     @staticmethod
@@ -160,11 +184,104 @@ class NodeSnapshots:
             if seal.step > step:
                 self.store.remove(seal.step)
 
-    def load_step(self, step: int) -> None:
-        """Restore snapshot `step` into `target` on this rank; raise where it is unusable."""
-        if self.target is None:
+    def resume(self, allowed: Callable[[int], bool] | None, newest_checkpoint: int) -> int:
+        """Resume every rank from the newest usable snapshot (all must call); -1 for none.
+
+        `allowed` is rank 0's trust window (None on the other ranks) and `newest_checkpoint`
+        rank 0's newest allowed checkpoint step: a snapshot older than that is not used. A rank
+        without the snapshot gets the weights from the first holder and its own state from its
+        peer's copy. Any failure on any rank: -1 on every rank, and the checkpoints decide.
+        """
+        target = self.target
+        if target is None:
             raise GuardError("no state to restore a snapshot into (NodeSnapshots.target)")
-        self.load(step, self.target)
+        width = 2 + peers.PEERS_KEPT
+        row: list[int] = []
+        for step, fingerprint, kept in self.usable():
+            padded = (list(kept) + [-1] * peers.PEERS_KEPT)[: peers.PEERS_KEPT]
+            row += [step, fingerprint, *padded]
+        row = (row + [-1] * width * KEPT)[: width * KEPT]
+        rows = self.comm.all_gather_rows(row, "resume: the snapshots on each node")
+        chosen = -1
+        if allowed is not None:
+            found = peers.choose(rows, width, allowed, newest_checkpoint)
+            chosen = -1 if found is None else found.step
+        (chosen,) = self.comm.broadcast_ints([chosen], "resume: the snapshot chosen")
+        if chosen < 0:
+            return -1
+        # Every rank holds the same rows, so every rank works out the same plan.
+        choice = peers.choose(rows, width, lambda s: s == chosen, -1)
+        if choice is None:
+            raise GuardError(f"snapshot step-{chosen:08d}: the ranks disagree about who holds it")
+        try:
+            self.comm.agree(lambda: self._load_held(choice, target), f"resume: snapshot {chosen}")
+            if choice.keepers:
+                self._give_to_lacking(choice, target)
+        except RankFailed as exc:  # a cache that failed somewhere: the checkpoints decide
+            if self.rank == 0:
+                logger.warning(
+                    "snapshot step-%08d not usable on rank %d (%s): resuming from a checkpoint",
+                    chosen,
+                    exc.rank,
+                    exc.cause,
+                )
+            return -1
+        if self.rank == 0:
+            logger.info(
+                "resumed from the node-local snapshots of step %d%s",
+                chosen,
+                f" ({len(choice.keepers)} ranks from their peers' copies)"
+                if choice.keepers
+                else "",
+            )
+        return chosen
+
+    def _load_held(self, choice: peers.Choice, into: SnapshotLoad) -> None:
+        if self.rank in choice.holders:
+            self.load(choice.step, into)
+
+    def _give_to_lacking(self, choice: peers.Choice, into: SnapshotLoad) -> None:
+        """The weights from the first holder, each rank's own state from its keeper (collective)."""
+        lacking = sorted(choice.keepers)
+        weights = {}
+        if self.rank == choice.source:
+            data = peers.to_bytes(
+                {"model": into.module.state_dict(), "optimizer": into.optimizer.state_dict()}
+            )
+            weights = dict.fromkeys(lacking, data)
+        got_weights = peers.exchange_bytes(
+            self.comm,
+            weights,
+            [choice.source] if self.rank in choice.keepers else [],
+            "resume: the weights for ranks without the snapshot",
+        )
+        own = {q: self._kept[q] for q, keeper in choice.keepers.items() if keeper == self.rank}
+        got_own = peers.exchange_bytes(
+            self.comm,
+            own,
+            [choice.keepers[self.rank]] if self.rank in choice.keepers else [],
+            "resume: own state from the peer copies",
+        )
+
+        def apply() -> None:
+            if self.rank not in choice.keepers:
+                return
+            state = peers.from_bytes(got_weights[choice.source])
+            mine = peers.from_bytes(got_own[choice.keepers[self.rank]])
+            into.module.load_state_dict(state["model"])
+            into.optimizer.load_state_dict(state["optimizer"])
+            _set_rng(mine.get("rng") or {})
+            fingerprint = as_hex(into.fingerprinter.tensors(into.state_tensors()))
+            if int(fingerprint[:15], 16) != choice.fingerprint:
+                raise GuardError(
+                    f"the state received for snapshot step-{choice.step:08d} does not reproduce "
+                    "its sealed fingerprint"
+                )
+            if into.restore_stateful is not None:
+                into.restore_stateful(mine.get("stateful"))
+            self.restored_from_peers = sorted({choice.source, choice.keepers[self.rank]})
+
+        self.comm.agree(apply, f"resume: snapshot {choice.step} on the ranks without it")
 
     def load(self, step: int, into: SnapshotLoad) -> SnapshotSeal:
         """Restore snapshot `step` on this rank; raise where it is unusable (no collectives)."""
@@ -180,11 +297,8 @@ class NodeSnapshots:
         weights = mine if self.rank == self.leader else self.leader_store.load(leader)
         into.module.load_state_dict(weights["model"])
         into.optimizer.load_state_dict(weights["optimizer"])
-        rng = mine.get("rng") or {}
-        if "cpu" in rng:
-            torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
+        _set_rng(mine.get("rng") or {})
+        self._kept = {int(q): bytes(t.tolist()) for q, t in (mine.get("peers") or {}).items()}
         checker = into.fingerprinter
         fingerprint = as_hex(checker.tensors(into.state_tensors()))
         if checker.seed != leader.fingerprint_seed or fingerprint != leader.weight_fingerprint:
@@ -198,10 +312,18 @@ class NodeSnapshots:
         return leader
 
 
+def _set_rng(rng: dict[str, torch.Tensor]) -> None:
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
 class Guarded(Protocol):
     """What the snapshots need of the guard's core (`core.session.GuardCore`)."""
 
     config: GuardConfig
+    comm: Collective
     topology: Topology
     rank: int
     world_size: int
@@ -234,6 +356,8 @@ def attach(core: Guarded) -> NodeSnapshots:
         core.run_id,
         core.world_size,
         core.params[0].device,
+        core.comm,
+        core.topology,
     )
 
     def restore_stateful(saved: Any) -> None:

@@ -31,26 +31,17 @@ from slurm_guard.rundir.trust import CheckpointMeta, parse_checkpoint_meta
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOTS_PER_RANK = 2  # how many snapshot steps each rank offers the resume
-
 
 class SnapshotSource(Protocol):
     """Node-local snapshots a resume may prefer to checkpoints (`core.snapshots`)."""
 
-    def usable(self) -> list[tuple[int, int]]:
-        """This rank's loadable snapshots, newest first: (step, the sealed fingerprint as an int).
-
-        The fingerprint tells apart two snapshots of one step from two timelines (a node that
-        missed a rollback): every rank must hold the same one.
-        """
-        ...
-
-    def load_step(self, step: int) -> None:
-        """Restore snapshot `step` on this rank, proving its fingerprint; raise if unusable."""
+    def resume(self, allowed: Callable[[int], bool] | None, newest_checkpoint: int) -> int:
+        """Every rank resumes from the same snapshot, or none (-1); collective, never raises
+        for a snapshot that is unusable (the checkpoints then decide)."""
         ...
 
     def discard_after(self, step: int) -> None:
-        """Forget snapshots newer than the state resumed from: they belong to a rolled-back past."""
+        """Forget snapshots newer than the state resumed from: a rollback undid them."""
         ...
 
 
@@ -142,35 +133,11 @@ def resume_collectively(
 def _resume_from_snapshot(
     comm: Collective, rank: int, plan: ResumePlan | None, snapshots: SnapshotSource
 ) -> int:
-    """Load the snapshot step rank 0 picks on every rank; -1 (nothing loaded) if none works."""
-    pairs = (snapshots.usable() + [(-1, -1)] * SNAPSHOTS_PER_RANK)[:SNAPSHOTS_PER_RANK]
-    rows = comm.all_gather_rows(
-        [v for pair in pairs for v in pair], "resume: the snapshots on each node"
-    )
-    step = -1
-    if plan is not None:
-        held = [set(zip(row[0::2], row[1::2], strict=True)) for row in rows]
-        common = {s for s, _ in set.intersection(*held) if s >= 0}
-        newest_checkpoint = max((m.step for m in plan.candidates), default=-1)
-        allowed = [s for s in common if plan.allows(s) and s >= newest_checkpoint]
-        step = max(allowed, default=-1)
-    (step,) = comm.broadcast_ints([step], "resume: the snapshot chosen")
-    if step < 0:
-        return -1
-    try:
-        comm.agree(functools.partial(snapshots.load_step, step), f"resume: snapshot {step}")
-    except RankFailed as exc:  # a cache that failed somewhere: the checkpoints decide
-        if rank == 0:
-            logger.warning(
-                "snapshot step-%08d not usable on rank %d (%s): resuming from a checkpoint",
-                step,
-                exc.rank,
-                exc.cause,
-            )
-        return -1
-    if rank == 0:
-        logger.info("resumed from the node-local snapshot of step %d", step)
-    return step
+    """The snapshot every rank resumed from, or -1: the trust window and the newest allowed
+    checkpoint are rank 0's (its plan), what each node holds is every rank's."""
+    allowed = plan.allows if plan is not None else None
+    newest = max((m.step for m in plan.candidates), default=-1) if plan is not None else -1
+    return snapshots.resume(allowed, newest)
 
 
 def foreign_problem(meta: CheckpointMeta, run_id: str | None) -> str | None:

@@ -86,6 +86,7 @@ class SnapshotSeal:
     world_size: int
     created: float
     schema: int = SNAPSHOT_SCHEMA
+    peers: tuple[int, ...] = ()  # ranks whose own state (RNG, stateful) this snapshot keeps
 
     @classmethod
     def parse(cls, obj: Any, source: str) -> SnapshotSeal:
@@ -105,9 +106,18 @@ class SnapshotSeal:
                 world_size=int(obj["world_size"]),
                 created=float(obj["created"]),
                 schema=schema,
+                peers=_ranks(obj.get("peers", []), source),
             )
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise RecordError(f"{source}: malformed snapshot seal ({exc})") from None
+
+
+def _ranks(value: Any, source: str) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(q, int) and not isinstance(q, bool) for q in value
+    ):
+        raise RecordError(f"{source}: 'peers' must be a list of ranks")
+    return tuple(value)
 
 
 def _sha256(path: Path) -> str:
@@ -140,6 +150,7 @@ class SnapshotStore:
         weight_fingerprint: str,
         fingerprint_seed: int,
         world_size: int,
+        peers: tuple[int, ...] = (),
     ) -> SnapshotSeal:
         """Save host-side `state` and seal it; then drop all but the newest `keep` snapshots.
 
@@ -162,8 +173,9 @@ class SnapshotStore:
                 rank=self.rank,
                 world_size=world_size,
                 created=time.time(),
+                peers=peers,
             )
-            atomic_write_json(stage / SEAL_FILE, seal.__dict__)
+            atomic_write_json(stage / SEAL_FILE, {**seal.__dict__, "peers": list(peers)})
             final = self.path(step)
             if final.exists():  # the same step again (a resumed run repeating it): replace
                 shutil.rmtree(final)

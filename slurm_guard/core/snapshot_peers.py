@@ -1,0 +1,142 @@
+"""Snapshots across nodes: each rank's own state kept on a peer node, and a node that has none.
+
+A node's snapshot holds the weights (identical on every replica after a passing vote) and each
+rank's own state: its RNG and `stateful` state, which no other replica has. A node that left the
+job takes the second with it, so at every snapshot each rank also sends that small state to its
+peer: the rank at the same position on the next node. The peer keeps it inside its own sealed
+snapshot.
+
+A rank without the snapshot (a spare that joined after an in-job restart, a node whose memory
+was cleared) then gets, over the process group, the weights from the first rank that holds them
+and its own state from its peer's copy, and proves the result against the sealed fingerprint
+like everyone else. Where any rank's own state cannot be found, no snapshot is used.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.topology import Topology
+
+__all__ = ["PEERS_KEPT", "Choice", "choose", "exchange_bytes", "from_bytes", "peer_of", "to_bytes"]
+
+PEERS_KEPT = 4  # ranks whose own state one rank offers to restore at most (uneven layouts)
+
+
+def peer_of(topology: Topology, rank: int) -> int | None:
+    """The rank that keeps `rank`'s own state: same position on the next node; None on one node."""
+    nodes = topology.nodes
+    if len(nodes) < 2:
+        return None
+    on = {
+        node: [r for r in range(topology.world_size) if topology.node_of(r) == node]
+        for node in nodes
+    }
+    node = topology.node_of(rank)
+    position = on[node].index(rank)
+    following = on[nodes[(nodes.index(node) + 1) % len(nodes)]]
+    return following[min(position, len(following) - 1)]
+
+
+def kept_for(topology: Topology, rank: int) -> list[int]:
+    """The ranks whose own state `rank` keeps (each has `rank` as its peer)."""
+    return [q for q in range(topology.world_size) if peer_of(topology, q) == rank]
+
+
+def to_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes) -> Any:
+    """What `to_bytes` wrote, loaded as a checkpoint is: plain data and tensors only."""
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
+def exchange_bytes(
+    comm: Collective, sends: Mapping[int, bytes], recvs: Sequence[int], what: str
+) -> dict[int, bytes]:
+    """Send each `sends[dst]` to rank dst and receive one payload from each of `recvs`.
+
+    All ranks call it (those with nothing to do too): two rounds of batched point-to-point
+    operations on the backend's device, sizes first, then the bytes.
+    """
+    device = comm.device
+    sizes_out = {
+        dst: torch.tensor([len(b)], dtype=torch.int64, device=device) for dst, b in sends.items()
+    }
+    sizes_in = {src: torch.zeros(1, dtype=torch.int64, device=device) for src in recvs}
+    ops = [comm.send(size, dst) for dst, size in sizes_out.items()]
+    ops += [comm.recv(size, src) for src, size in sizes_in.items()]
+    comm.p2p(ops, f"{what}: sizes")
+    counts = torch.cat(list(sizes_in.values())).tolist() if recvs else []  # one host read
+    buffers = {
+        src: torch.empty(int(n), dtype=torch.uint8, device=device)
+        for src, n in zip(sizes_in, counts, strict=True)
+    }
+    ops = [
+        comm.send(torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device), dst)
+        for dst, b in sends.items()
+    ]
+    ops += [comm.recv(buffer, src) for src, buffer in buffers.items()]
+    comm.p2p(ops, f"{what}: bytes")
+    return {src: bytes(buffer.cpu().tolist()) for src, buffer in buffers.items()}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The snapshot step every rank resumes from, and who supplies the ranks without it."""
+
+    step: int
+    fingerprint: int  # the sealed fingerprint's first 60 bits, as every holder offered it
+    holders: list[int]
+    source: int  # the first holder: it sends the weights to every rank without them
+    keepers: dict[int, int]  # rank without the snapshot -> the rank keeping its own state
+
+
+def offered(rows: Sequence[Sequence[int]], width: int) -> list[dict[int, tuple[int, set[int]]]]:
+    """Each rank's row as {step: (fingerprint, ranks whose own state it keeps)}."""
+    out = []
+    for row in rows:
+        entries: dict[int, tuple[int, set[int]]] = {}
+        for i in range(0, len(row), width):
+            step, fingerprint, *kept = row[i : i + width]
+            if step >= 0:
+                entries[step] = (fingerprint, {q for q in kept if q >= 0})
+        out.append(entries)
+    return out
+
+
+def choose(
+    rows: Sequence[Sequence[int]], width: int, allowed: Any, newest_checkpoint: int
+) -> Choice | None:
+    """The newest snapshot step that the rule allows and that every rank can be given.
+
+    Every rank that holds the step must hold the same fingerprint; every rank that does not
+    must have its own state kept by a holder. `allowed(step)` is the trust window's answer.
+    """
+    ranks = offered(rows, width)
+    steps = sorted({s for entries in ranks for s in entries}, reverse=True)
+    for step in steps:
+        if step < newest_checkpoint or not allowed(step):
+            continue
+        holders = [r for r, entries in enumerate(ranks) if step in entries]
+        fingerprints = {ranks[r][step][0] for r in holders}
+        if len(fingerprints) != 1:
+            continue
+        keepers: dict[int, int] = {}
+        for lacking in (r for r in range(len(ranks)) if step not in ranks[r]):
+            keeping = [h for h in holders if lacking in ranks[h][step][1]]
+            if not keeping:
+                break
+            keepers[lacking] = keeping[0]
+        else:
+            return Choice(step, fingerprints.pop(), holders, holders[0], keepers)
+    return None
