@@ -91,7 +91,8 @@ class GuardConfig:
             older checkpoint (docs/user-guide.md, "Snapshots"). Costs host memory: two copies
             of the model and optimizer per node. Off by default.
         snapshot_dir: where snapshots live; None: $SLURM_GUARD_SNAPSHOT_DIR, else
-            /dev/shm/slurm-guard. Node-local memory, never the shared filesystem.
+            /dev/shm/slurm-guard. Node-local memory, never the shared filesystem. `{node}` in it
+            becomes the node's name (for "nodes" that share one machine).
     """
 
     replay_every: int = 10

@@ -1,7 +1,7 @@
 """Resuming from node-local snapshots on real gloo jobs: later than a checkpoint, never wrong.
 
-Each run keeps its snapshots in its own directory standing in for /dev/shm. Two ranks share a
-"node" (n1), so the non-first rank restores the weights from its node leader's snapshot.
+Each run keeps its snapshots in a directory per "node", standing in for that node's /dev/shm.
+Two ranks share node n1, so the second one restores the weights from the first one's snapshot.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _config(shm: Path, *faults: sg.Fault) -> sg.GuardConfig:
         vote_every=5,
         trust_replays=1,
         snapshots=True,
-        snapshot_dir=str(shm),
+        snapshot_dir=str(shm / "{node}"),
         faults=faults,
     )
 
@@ -64,19 +64,20 @@ def test_a_restart_resumes_from_the_newest_allowed_snapshot_and_never_from_a_wro
     for index in (1, 2, 3, 4):
         alarm = first[0].value[index]["alarm"]
         assert alarm["step"] == 20 and alarm["last_verified_step"] == 15
-    shm = tmp_path / "shm-damaged"
-    job = next(shm.iterdir())  # run-<run id>: no Slurm job here
+    job = next((tmp_path / "shm-damaged" / "n1").iterdir())  # run-<run id>: no Slurm job here
     # snapshots after the votes of steps 15 and 20 are kept; 20 holds the fault's update
     assert sorted(p.name for p in (job / "rank-1").iterdir()) == ["step-00000015", "step-00000020"]
-    _flip_byte(job / "rank-1" / "step-00000015" / "state.pt")
-    # a seal whose fingerprint was edited: node n1 then claims another state than n2 and n3
-    seal_file = next((tmp_path / "shm-forged").iterdir()) / "rank-0" / "step-00000015" / "seal.json"
-    seal = json.loads(seal_file.read_text())
-    fingerprint = seal["weight_fingerprint"]
-    seal["weight_fingerprint"] = ("1" if fingerprint[0] == "0" else "0") + fingerprint[1:]
-    seal_file.write_text(json.dumps(seal))
+    _flip_byte(job / "rank-1" / "step-00000015" / "own.pt")
+    # node n1's seals edited to claim another state than n2 and n3 hold
+    for rank in (0, 1):
+        seal_file = next((tmp_path / "shm-forged" / "n1").iterdir()) / f"rank-{rank}"
+        seal_file = seal_file / "step-00000015" / "seal.json"
+        seal = json.loads(seal_file.read_text())
+        fingerprint = seal["weight_fingerprint"]
+        seal["weight_fingerprint"] = ("1" if fingerprint[0] == "0" else "0") + fingerprint[1:]
+        seal_file.write_text(json.dumps(seal))
     # node n3's memory is empty, as on a spare that joined after an in-job restart
-    shutil.rmtree(next((tmp_path / "shm-spare").iterdir()) / "rank-3")
+    shutil.rmtree(tmp_path / "shm-spare" / "n3")
 
     restart = [
         {**runs[name], "config": _config(tmp_path / f"shm-{name}")}
@@ -93,13 +94,13 @@ def test_a_restart_resumes_from_the_newest_allowed_snapshot_and_never_from_a_wro
     assert second[1].value[damaged]["restored_from_peers"] == [0, 2]
     assert second[0].value[spare]["start"] == 15
     assert second[3].value[spare]["restored_from_peers"] == [0]
-    # node n1's seal was edited: it claims another state than n2 and n3, so no snapshot is
-    # used and every rank falls back to the checkpoint
+    # node n1 claims another state than n2 and n3: no snapshot is used, and every rank falls
+    # back to the checkpoint
     assert second[0].value[forged]["start"] == 10
     for rank in range(4):
         for index in (snapshot, damaged, forged, spare):
             resumed = second[rank].value[index]["final"]
             assert _same(clean[rank], resumed), f"rank {rank}, run {index}: not bit-identical"
     # the snapshot of step 20 came from the rolled-back past: gone, and replaced by the rerun
-    job = next((tmp_path / "shm-snapshot").iterdir())
+    job = next((tmp_path / "shm-snapshot" / "n1").iterdir())
     assert sorted(p.name for p in (job / "rank-0").iterdir()) == ["step-00000025", "step-00000030"]

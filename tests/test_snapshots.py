@@ -16,7 +16,7 @@ import torch
 from slurm_guard.core.snapshot_copy import SnapshotCopier
 from slurm_guard.rundir.snapshots import (
     SEAL_FILE,
-    STATE_FILE,
+    WEIGHTS_FILE,
     SnapshotStore,
     remove_job_snapshots,
     snapshot_root,
@@ -81,14 +81,15 @@ def test_a_flipped_byte_or_an_edited_seal_is_never_loaded(tmp_path: Path) -> Non
     store = SnapshotStore(tmp_path, "1234", rank=0)
     store.write(_state(1), **_seal(10))  # type: ignore[arg-type]
     store.write(_state(2), **_seal(20))  # type: ignore[arg-type]
-    state_file = store.path(20) / STATE_FILE
+    state_file = store.path(20) / WEIGHTS_FILE
     data = bytearray(state_file.read_bytes())
     data[len(data) // 2] ^= 0x01
     state_file.write_bytes(bytes(data))
     seals, _ = store.seals()
     newest = seals[0]
     assert newest.step == 20
-    assert "does not match its sealed sha256" in str(store.problem(newest, RUN))
+    assert "weights.pt does not match its sealed sha256" in str(store.problem(newest, RUN))
+    assert store.problem(newest, RUN, ("own.pt",)) is None  # the small file is intact
     assert store.problem(seals[1], RUN) is None  # the older one is still usable
 
     seal_file = store.path(10) / SEAL_FILE

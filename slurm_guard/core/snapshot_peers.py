@@ -15,7 +15,7 @@ like everyone else. Where any rank's own state cannot be found, no snapshot is u
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,9 +24,21 @@ import torch
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import Topology
 
-__all__ = ["PEERS_KEPT", "Choice", "choose", "exchange_bytes", "from_bytes", "peer_of", "to_bytes"]
+__all__ = [
+    "PROVIDED",
+    "WIDTH",
+    "Choice",
+    "choose",
+    "exchange_bytes",
+    "from_bytes",
+    "offered",
+    "peer_of",
+    "row_of",
+    "to_bytes",
+]
 
-PEERS_KEPT = 4  # ranks whose own state one rank offers to restore at most (uneven layouts)
+PROVIDED = 16  # ranks whose own state one rank offers at most (its node's directories)
+WIDTH = 3 + PROVIDED  # ints per offered step in the resume's gather
 
 
 def peer_of(topology: Topology, rank: int) -> int | None:
@@ -95,45 +107,59 @@ class Choice:
     """The snapshot step every rank resumes from, and who supplies the ranks without it."""
 
     step: int
-    fingerprint: int  # the sealed fingerprint's first 60 bits, as every holder offered it
-    holders: list[int]
+    fingerprint: int  # the sealed fingerprint's first 60 bits, as every rank offered it
+    holders: list[int]  # ranks whose node holds the weights and their own state
     source: int  # the first holder: it sends the weights to every rank without them
-    keepers: dict[int, int]  # rank without the snapshot -> the rank keeping its own state
+    keepers: dict[int, int]  # rank without the snapshot -> a rank whose node keeps its state
 
 
-def offered(rows: Sequence[Sequence[int]], width: int) -> list[dict[int, tuple[int, set[int]]]]:
-    """Each rank's row as {step: (fingerprint, ranks whose own state it keeps)}."""
+Offer = tuple[int, bool, set[int]]  # fingerprint key, loadable here, ranks whose state is here
+
+
+def row_of(offers: dict[int, Offer], kept_steps: int) -> list[int]:
+    """This rank's offers as fixed-width ints, newest steps first: step, fingerprint, loadable
+    (0/1), then up to PROVIDED ranks whose own state this node holds (-1 padding)."""
+    row: list[int] = []
+    for step in sorted(offers, reverse=True)[:kept_steps]:
+        fingerprint, loadable, provided = offers[step]
+        padded = (sorted(provided) + [-1] * PROVIDED)[:PROVIDED]
+        row += [step, fingerprint, int(loadable), *padded]
+    return (row + [-1] * WIDTH * kept_steps)[: WIDTH * kept_steps]
+
+
+def offered(rows: Sequence[Sequence[int]]) -> list[dict[int, Offer]]:
+    """Each rank's row back as {step: offer}."""
     out = []
     for row in rows:
-        entries: dict[int, tuple[int, set[int]]] = {}
-        for i in range(0, len(row), width):
-            step, fingerprint, *kept = row[i : i + width]
+        entries: dict[int, Offer] = {}
+        for i in range(0, len(row), WIDTH):
+            step, fingerprint, loadable, *provided = row[i : i + WIDTH]
             if step >= 0:
-                entries[step] = (fingerprint, {q for q in kept if q >= 0})
+                entries[step] = (fingerprint, loadable == 1, {q for q in provided if q >= 0})
         out.append(entries)
     return out
 
 
 def choose(
-    rows: Sequence[Sequence[int]], width: int, allowed: Any, newest_checkpoint: int
+    rows: Sequence[Sequence[int]], allowed: Callable[[int], bool], newest_checkpoint: int
 ) -> Choice | None:
     """The newest snapshot step that the rule allows and that every rank can be given.
 
-    Every rank that holds the step must hold the same fingerprint; every rank that does not
-    must have its own state kept by a holder. `allowed(step)` is the trust window's answer.
+    Every rank that offers the step must offer the same fingerprint; at least one must be able
+    to load it; every other rank's own state must be on some rank's node.
     """
-    ranks = offered(rows, width)
+    ranks = offered(rows)
     steps = sorted({s for entries in ranks for s in entries}, reverse=True)
     for step in steps:
         if step < newest_checkpoint or not allowed(step):
             continue
-        holders = [r for r, entries in enumerate(ranks) if step in entries]
-        fingerprints = {ranks[r][step][0] for r in holders}
-        if len(fingerprints) != 1:
+        fingerprints = {entries[step][0] for entries in ranks if step in entries}
+        holders = [r for r, entries in enumerate(ranks) if step in entries and entries[step][1]]
+        if len(fingerprints) != 1 or not holders:
             continue
         keepers: dict[int, int] = {}
-        for lacking in (r for r in range(len(ranks)) if step not in ranks[r]):
-            keeping = [h for h in holders if lacking in ranks[h][step][1]]
+        for lacking in (r for r in range(len(ranks)) if r not in holders):
+            keeping = [k for k, e in enumerate(ranks) if step in e and lacking in e[step][2]]
             if not keeping:
                 break
             keepers[lacking] = keeping[0]

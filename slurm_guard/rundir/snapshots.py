@@ -9,8 +9,12 @@ another run is skipped, and the resume falls back to the next one or to a checkp
 
 Layout, per rank (ranks of one node share the job directory):
 
-    <root>/<job>/rank-<r>/step-<N>/state.pt    model, optimizer, RNG, scaler, stateful: host copies
-    <root>/<job>/rank-<r>/step-<N>/seal.json   written last: step, run id, fingerprint, sha256
+    <root>/<job>/rank-<r>/step-<N>/own.pt      the rank's RNG and stateful state, its peers' copies
+    <root>/<job>/rank-<r>/step-<N>/weights.pt  model and optimizer (the node's first rank only)
+    <root>/<job>/rank-<r>/step-<N>/seal.json   written last: step, run id, fingerprint, sha256s
+
+The weights live in their own file so that the small files can be checked cheaply by every
+rank of a node, and the large one only by the ranks that load it.
 
 A snapshot directory is staged under a dot-name and renamed into place after its seal is
 written, so a listed snapshot is always complete; the newest `keep` (2) are kept.
@@ -39,22 +43,32 @@ __all__ = [
     "SNAPSHOT_ROOT_ENV",
     "SnapshotSeal",
     "SnapshotStore",
+    "ranks_on_node",
     "remove_job_snapshots",
     "snapshot_root",
 ]
 
 DEFAULT_SNAPSHOT_ROOT = Path("/dev/shm/slurm-guard")
 SNAPSHOT_ROOT_ENV = "SLURM_GUARD_SNAPSHOT_DIR"
-STATE_FILE = "state.pt"
+OWN_FILE = "own.pt"
+WEIGHTS_FILE = "weights.pt"
+WEIGHT_KEYS = ("model", "optimizer")
 SEAL_FILE = "seal.json"
 STAGING_PREFIX = ".staging-"
 
 
-def snapshot_root(configured: str | os.PathLike[str] | None = None) -> Path:
-    """The configured directory, else $SLURM_GUARD_SNAPSHOT_DIR, else /dev/shm/slurm-guard."""
-    if configured:
-        return Path(configured)
-    return Path(os.environ.get(SNAPSHOT_ROOT_ENV) or DEFAULT_SNAPSHOT_ROOT)
+def snapshot_root(configured: str | os.PathLike[str] | None = None, node: str = "") -> Path:
+    """The configured directory, else $SLURM_GUARD_SNAPSHOT_DIR, else /dev/shm/slurm-guard.
+
+    `{node}` in it becomes the node's name: nodes that share one machine (a test cluster, the
+    local launcher) then keep apart what real nodes keep apart by having their own memory.
+    """
+    chosen = str(configured or os.environ.get(SNAPSHOT_ROOT_ENV) or DEFAULT_SNAPSHOT_ROOT)
+    if "{node}" in chosen:
+        if not node or "/" in node or node.startswith("."):
+            raise ValueError(f"no usable node name for {chosen!r}: {node!r}")
+        chosen = chosen.replace("{node}", node)
+    return Path(chosen)
 
 
 def _job_key(job_id: str) -> str:
@@ -62,6 +76,17 @@ def _job_key(job_id: str) -> str:
     if not job_id or not all(c.isalnum() or c in "._-" for c in job_id) or job_id[0] == ".":
         raise ValueError(f"not a usable job id for a snapshot directory: {job_id!r}")
     return job_id
+
+
+def ranks_on_node(root: Path, job_id: str) -> list[int]:
+    """The ranks whose snapshot directories this node's memory holds for the job (any layout)."""
+    directory = root / _job_key(job_id)
+    try:
+        names = [p.name for p in directory.iterdir()] if directory.is_dir() else []
+    except OSError as exc:
+        logger.warning("cannot list snapshots in %s (%s)", directory, exc.strerror)
+        return []
+    return sorted(int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit())
 
 
 def remove_job_snapshots(root: Path, job_id: str) -> bool:
@@ -81,12 +106,17 @@ class SnapshotSeal:
     run_id: str  # identity.json's run_id of the run that wrote it
     weight_fingerprint: str  # the vote's fingerprint of the state, under fingerprint_seed
     fingerprint_seed: int
-    sha256: str  # of state.pt
+    files: dict[str, str]  # file name -> sha256
     rank: int
     world_size: int
     created: float
     schema: int = SNAPSHOT_SCHEMA
     peers: tuple[int, ...] = ()  # ranks whose own state (RNG, stateful) this snapshot keeps
+
+    @property
+    def weights(self) -> bool:
+        """Whether it holds the model and optimizer (the node's first rank's snapshot)."""
+        return WEIGHTS_FILE in self.files
 
     @classmethod
     def parse(cls, obj: Any, source: str) -> SnapshotSeal:
@@ -101,7 +131,7 @@ class SnapshotSeal:
                 run_id=str(obj["run_id"]),
                 weight_fingerprint=str(obj["weight_fingerprint"]),
                 fingerprint_seed=int(obj["fingerprint_seed"]),
-                sha256=str(obj["sha256"]),
+                files=_files(obj["files"], source),
                 rank=int(obj["rank"]),
                 world_size=int(obj["world_size"]),
                 created=float(obj["created"]),
@@ -120,6 +150,17 @@ def _ranks(value: Any, source: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _files(value: Any, source: str) -> dict[str, str]:
+    if (
+        not isinstance(value, dict)
+        or OWN_FILE not in value
+        or not set(value) <= {OWN_FILE, WEIGHTS_FILE}
+        or not all(isinstance(v, str) for v in value.values())
+    ):
+        raise RecordError(f"{source}: 'files' must map {OWN_FILE} (and {WEIGHTS_FILE}) to sha256")
+    return dict(value)
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -134,6 +175,8 @@ class SnapshotStore:
     def __init__(self, root: Path, job_id: str, rank: int, keep: int = 2) -> None:
         if keep < 1:
             raise ValueError("a snapshot store keeps at least one snapshot")
+        self.root = root
+        self.job_id = job_id
         self.directory = root / _job_key(job_id) / f"rank-{rank}"
         self.rank = rank
         self.keep = keep
@@ -162,20 +205,25 @@ class SnapshotStore:
         shutil.rmtree(stage, ignore_errors=True)
         stage.mkdir()
         try:
-            with open(stage / STATE_FILE, "wb") as f:
-                torch.save(state, f)
+            parts = {OWN_FILE: {k: v for k, v in state.items() if k not in WEIGHT_KEYS}}
+            if all(k in state for k in WEIGHT_KEYS):
+                parts[WEIGHTS_FILE] = {k: state[k] for k in WEIGHT_KEYS}
+            for name, part in parts.items():
+                with open(stage / name, "wb") as f:
+                    torch.save(part, f)
             seal = SnapshotSeal(
                 step=step,
                 run_id=run_id,
                 weight_fingerprint=weight_fingerprint,
                 fingerprint_seed=fingerprint_seed,
-                sha256=_sha256(stage / STATE_FILE),
+                files={name: _sha256(stage / name) for name in parts},
                 rank=self.rank,
                 world_size=world_size,
                 created=time.time(),
                 peers=peers,
             )
-            atomic_write_json(stage / SEAL_FILE, {**seal.__dict__, "peers": list(peers)})
+            record = {**seal.__dict__, "peers": list(peers)}
+            atomic_write_json(stage / SEAL_FILE, record)
             final = self.path(step)
             if final.exists():  # the same step again (a resumed run repeating it): replace
                 shutil.rmtree(final)
@@ -233,21 +281,29 @@ class SnapshotStore:
             found.append(seal)
         return found, unusable
 
-    def problem(self, seal: SnapshotSeal, run_id: str) -> str | None:
-        """Why this snapshot must not be loaded here, or None: another run, or damaged bytes."""
+    def problem(
+        self, seal: SnapshotSeal, run_id: str, files: tuple[str, ...] = (OWN_FILE, WEIGHTS_FILE)
+    ) -> str | None:
+        """Why these files of this snapshot must not be loaded, or None: another run, damage."""
         if seal.run_id != run_id:
             return f"sealed by another run ({seal.run_id}, this run is {run_id})"
-        try:
-            if _sha256(self.path(seal.step) / STATE_FILE) != seal.sha256:
-                return f"{STATE_FILE} does not match its sealed sha256 (damaged)"
-        except OSError as exc:
-            return f"{STATE_FILE} cannot be read ({exc.strerror})"
+        for name in (f for f in files if f in seal.files):
+            try:
+                if _sha256(self.path(seal.step) / name) != seal.files[name]:
+                    return f"{name} does not match its sealed sha256 (damaged)"
+            except OSError as exc:
+                return f"{name} cannot be read ({exc.strerror})"
         return None
 
-    def load(self, seal: SnapshotSeal) -> dict[str, Any]:
-        """The sealed state, on the CPU; the caller still checks the weight fingerprint."""
-        path = self.path(seal.step) / STATE_FILE
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict):
-            raise RecordError(f"{path}: not a snapshot (a {type(state).__name__})")
+    def load(
+        self, seal: SnapshotSeal, files: tuple[str, ...] = (OWN_FILE, WEIGHTS_FILE)
+    ) -> dict[str, Any]:
+        """The sealed state of these files, on the CPU; the caller checks the fingerprint."""
+        state: dict[str, Any] = {}
+        for name in (f for f in files if f in seal.files):
+            path = self.path(seal.step) / name
+            part = torch.load(path, map_location="cpu", weights_only=True)
+            if not isinstance(part, dict):
+                raise RecordError(f"{path}: not a snapshot (a {type(part).__name__})")
+            state.update(part)
         return state

@@ -1,0 +1,187 @@
+"""The collective resume from node-local snapshots: choose one step, load it everywhere, or none.
+
+1. Every rank reads what its node holds (`snapshot_node.scan_node`) and offers, per step, the
+   sealed fingerprint, whether it can load the step from its own node alone, and the ranks
+   whose own state its node keeps. One gather gives every rank every offer.
+2. Rank 0 picks the newest step its trust window allows (`snapshot_peers.choose`) and
+   broadcasts it; from the same offers every rank works out the same plan.
+3. The ranks that can, load it and prove the sealed fingerprint. The first of them sends the
+   weights to every rank that cannot, and a rank whose node keeps a copy sends each such rank
+   its own state; those ranks prove the fingerprint too.
+A failure anywhere in 3 reaches every rank through the agreement, and every rank returns -1:
+the checkpoints decide, exactly as without snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.errors import RankFailed
+from slurm_guard.core import snapshot_peers as peers
+from slurm_guard.core.snapshot_copy import SnapshotCopier
+from slurm_guard.core.snapshot_node import NodeStep, scan_node
+from slurm_guard.errors import GuardError
+from slurm_guard.fingerprint.tree import Fingerprinter, as_hex
+from slurm_guard.rundir.snapshots import SnapshotStore
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NodeSnapshots", "SnapshotLoad", "resume_from_snapshots"]
+
+STEPS_OFFERED = 2  # the newest steps each rank offers (each node keeps two per rank)
+
+
+@dataclass(frozen=True)
+class SnapshotLoad:
+    """What a rank restores into, and how it proves the result (as a checkpoint load does)."""
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer
+    fingerprinter: Fingerprinter
+    state_tensors: Callable[[], list[torch.Tensor]]
+    restore_stateful: Callable[[Any], None] | None  # this rank's saved stateful state
+
+
+class NodeSnapshots(Protocol):
+    """What the resume needs of a rank's snapshots (`core.snapshots.NodeSnapshots`)."""
+
+    comm: Collective
+    rank: int
+    run_id: str
+    world_size: int
+    store: SnapshotStore
+    copier: SnapshotCopier
+    target: SnapshotLoad | None
+    restored_from_peers: list[int]
+
+
+def resume_from_snapshots(
+    node: NodeSnapshots, allowed: Callable[[int], bool] | None, newest_checkpoint: int
+) -> int:
+    """The step every rank resumed from, or -1 (see the module docstring); all ranks call it."""
+    into = node.target
+    if into is None:
+        raise GuardError("no state to restore a snapshot into (NodeSnapshots.target)")
+    node.copier.wait()
+    held = scan_node(node.store.root, node.store.job_id, node.run_id, node.world_size)
+    offers = {
+        step: (entry.fingerprint_key(), _loadable(entry, node.rank), set(entry.provides()))
+        for step, entry in held.items()
+    }
+    rows = node.comm.all_gather_rows(
+        peers.row_of(offers, STEPS_OFFERED), "resume: the snapshots on each node"
+    )
+    chosen = -1
+    if allowed is not None:
+        found = peers.choose(rows, allowed, newest_checkpoint)
+        chosen = -1 if found is None else found.step
+    (chosen,) = node.comm.broadcast_ints([chosen], "resume: the snapshot chosen")
+    if chosen < 0:
+        return -1
+    choice = peers.choose(rows, lambda s: s == chosen, -1)  # the same on every rank
+    if choice is None:
+        raise GuardError(f"snapshot step-{chosen:08d}: the ranks disagree about who holds it")
+    entry = held.get(chosen)
+    try:
+        node.comm.agree(lambda: _load_here(node, choice, entry, into), f"snapshot {chosen}")
+        if choice.keepers:
+            _give_to_the_others(node, choice, entry, into)
+    except RankFailed as exc:  # a cache that failed somewhere: the checkpoints decide
+        if node.rank == 0:
+            logger.warning(
+                "snapshot step-%08d not usable on rank %d (%s): resuming from a checkpoint",
+                chosen,
+                exc.rank,
+                exc.cause,
+            )
+        return -1
+    if node.rank == 0:
+        others = f" ({len(choice.keepers)} ranks from other nodes)" if choice.keepers else ""
+        logger.info("resumed from the node-local snapshots of step %d%s", chosen, others)
+    return chosen
+
+
+def _loadable(entry: NodeStep, rank: int) -> bool:
+    return entry.weights is not None and rank in entry.provides()
+
+
+def _prove(into: SnapshotLoad, step: int, fingerprint: int) -> None:
+    found = as_hex(into.fingerprinter.tensors(into.state_tensors()))
+    if int(found[:15], 16) != fingerprint:
+        raise GuardError(
+            f"snapshot step-{step:08d}: the loaded state does not reproduce its sealed fingerprint"
+        )
+
+
+def _apply(into: SnapshotLoad, weights: dict[str, Any], own: dict[str, Any]) -> None:
+    into.module.load_state_dict(weights["model"])
+    into.optimizer.load_state_dict(weights["optimizer"])
+    rng = own.get("rng") or {}
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _load_here(
+    node: NodeSnapshots, choice: peers.Choice, entry: NodeStep | None, into: SnapshotLoad
+) -> None:
+    """A holder loads the step from its own node's memory (no collectives)."""
+    if node.rank not in choice.holders:
+        return
+    if entry is None:
+        raise GuardError(f"snapshot step-{choice.step:08d} is gone from this node")
+    own = entry.load_own(node.rank, node.run_id)
+    _apply(into, entry.load_weights(node.run_id), own)
+    _prove(into, choice.step, choice.fingerprint)
+    if into.restore_stateful is not None:
+        into.restore_stateful(own.get("stateful"))
+
+
+def _give_to_the_others(
+    node: NodeSnapshots, choice: peers.Choice, entry: NodeStep | None, into: SnapshotLoad
+) -> None:
+    """Weights from the first holder, each rank's own state from a node keeping it (collective)."""
+    rank = node.rank
+    lacking = sorted(choice.keepers)
+    weights: dict[int, bytes] = {}
+    if rank == choice.source:  # its module and optimizer hold the proven snapshot now
+        state = {"model": into.module.state_dict(), "optimizer": into.optimizer.state_dict()}
+        weights = dict.fromkeys(lacking, peers.to_bytes(state))
+    got_weights = peers.exchange_bytes(
+        node.comm, weights, [choice.source] if rank in choice.keepers else [], "snapshot weights"
+    )
+    own: dict[int, bytes] = {}
+    problem = None
+    try:
+        for q, keeping in choice.keepers.items():
+            if keeping == rank:
+                if entry is None:
+                    raise GuardError(f"snapshot step-{choice.step:08d} is gone from this node")
+                own[q] = peers.to_bytes(entry.load_own(q, node.run_id))
+    except Exception as exc:  # this keeper cannot send: every rank must learn it first
+        problem = f"rank {rank} cannot send the own state it keeps ({exc})"
+    node.comm.share_problem(problem, f"snapshot {choice.step}: the kept copies")
+    keeper = choice.keepers.get(rank)
+    got_own = peers.exchange_bytes(
+        node.comm, own, [keeper] if keeper is not None else [], "snapshot own state"
+    )
+
+    def apply() -> None:
+        if keeper is None:
+            return
+        mine = peers.from_bytes(got_own[keeper])
+        _apply(into, peers.from_bytes(got_weights[choice.source]), mine)
+        _prove(into, choice.step, choice.fingerprint)
+        if into.restore_stateful is not None:
+            into.restore_stateful(mine.get("stateful"))
+        node.restored_from_peers = sorted({choice.source, keeper})
+
+    node.comm.agree(apply, f"snapshot {choice.step}: the ranks without it")
