@@ -55,7 +55,7 @@ class GuardState(Protocol):
     world_size: int
     restart_count: int
     attempt: str
-    run_id: str | None
+    run_id: str
     step_count: int
     voted_at: int
     last_verified_step: int | None
