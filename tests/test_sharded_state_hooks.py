@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sharded_hook_workers import train_fused, train_titan
+import torch
+from sharded_hook_workers import FusedQKV, train_fused, train_titan
+from torch import nn
 
+from slurm_guard.errors import GuardError
 from slurm_guard.local.launch import run_local
-
-pytestmark = pytest.mark.distributed
+from slurm_guard.sharded.checkpoint import model_tensors
 
 NODES = ["n0", "n1"]
 
@@ -39,6 +41,25 @@ def _save_then_resume(train: Any, run_dir: Path, steps: int, save_at: int) -> li
     return list(zip(full, resumed, strict=True))
 
 
+class _WithExtraState(nn.Linear):
+    def get_extra_state(self) -> object:
+        return {"calls": 3}
+
+
+def test_the_saved_names_are_the_tensors_own_paths_not_the_hooks_keys() -> None:
+    model = nn.Sequential(FusedQKV(8, 2))
+    model.register_buffer("kept", torch.zeros(2))
+    model.register_buffer("scratch", torch.zeros(2), persistent=False)
+    saved = model_tensors(model)
+    assert sorted(saved) == ["0.wo.weight", "0.wqkv.weight", "kept"]  # no wq/wk/wv, no scratch
+    assert saved["0.wqkv.weight"].data_ptr() == model[0].wqkv.weight.data_ptr()  # in place
+    compiled = torch.compile(nn.Linear(2, 2))  # wraps it as `_orig_mod`; compiles at first call
+    assert sorted(model_tensors(compiled)) == ["bias", "weight"]  # type: ignore[arg-type]
+    with pytest.raises(GuardError, match=r"module 0 \(_WithExtraState\) keeps extra state"):
+        model_tensors(nn.Sequential(_WithExtraState(2, 2)))
+
+
+@pytest.mark.distributed
 def test_a_model_whose_hooks_rename_keys_saves_and_resumes_bit_identical(tmp_path: Path) -> None:
     pairs = _save_then_resume(train_fused, tmp_path, 5, 3)
     for _, resumed in pairs:
@@ -46,6 +67,7 @@ def test_a_model_whose_hooks_rename_keys_saves_and_resumes_bit_identical(tmp_pat
         assert resumed["hook_calls"] == {"split": 0, "merge": 0}
 
 
+@pytest.mark.distributed
 def test_torchtitan_llama3_with_fused_qkv_saves_and_resumes_bit_identical(tmp_path: Path) -> None:
     pytest.importorskip(
         "torchtitan.models.llama3",

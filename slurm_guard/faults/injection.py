@@ -50,7 +50,10 @@ BACKWARD_KINDS = ("grad-scale", "grad-bitflip", "nan", "inf")
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected fault. `rank` or `node` selects the target; `param` and `element` the value."""
+    """One injected fault. `rank` or `node` selects the target; `param` and `element` the value.
+
+    Every field, and what each kind does with it: docs/user-guide.md, "The fault spec".
+    """
 
     kind: str
     step: int
