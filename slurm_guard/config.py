@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,6 +15,16 @@ if TYPE_CHECKING:
 
 class ConfigError(GuardError, ValueError):
     """A configuration value is out of range; the message names the field and the fix."""
+
+
+# the float settings, each checked to be a finite number
+NUMBERS = (
+    "tolerance_margin",
+    "initial_tolerance",
+    "watchdog_seconds",
+    "abft_margin",
+    "triage_seconds",
+)
 
 
 @dataclass(frozen=True)
@@ -209,17 +220,20 @@ class GuardConfig:
                 raise ConfigError(
                     f"GuardConfig.{name}={value!r}: must be an integer, not {type(value).__name__}"
                 )
-        for name in (
-            "tolerance_margin",
-            "initial_tolerance",
-            "watchdog_seconds",
-            "abft_margin",
-            "triage_seconds",
-        ):
+        for name in NUMBERS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ConfigError(
                     f"GuardConfig.{name}={value!r}: must be a number, not {type(value).__name__}"
+                )
+        for name in (*NUMBERS, "max_grad_norm"):
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                # inf passes `> 0` and `>= 1` and would reach run.json as `Infinity`, which
+                # is not JSON; no setting means "unbounded" by inf
+                raise ConfigError(
+                    f"GuardConfig.{name}={value!r}: must be a finite number"
+                    + (" (None turns clipping off)" if name == "max_grad_norm" else "")
                 )
         for name in ("on_numerical", "schedule"):
             value = getattr(self, name)

@@ -8,6 +8,7 @@ every rank trains on its own microbatch.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,8 +40,14 @@ def train(
     resume: bool = False,
     save_at: tuple[int, ...] = (),
     init_seed: int = 0,
+    build: Callable[[Any], torch.nn.Module] | None = None,
+    loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    batch: Callable[[int, int], torch.Tensor] = _batch,
 ) -> dict[str, Any]:
-    """Train up to `steps` (from the resumed step with resume=True); return what tests read."""
+    """Train up to `steps` (from the resumed step with resume=True); return what tests read.
+
+    `build(mesh)` gives another sharded model (the tiny Llama by default), `loss_fn` its loss.
+    """
     from torch.distributed.device_mesh import init_device_mesh
 
     from slurm_guard import GuardConfig, ShardedGuard
@@ -53,17 +60,21 @@ def train(
     else:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     torch.manual_seed(init_seed)
-    model = shard_model(TinyLlama(), mesh)
+    model = shard_model(TinyLlama(), mesh) if build is None else build(mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     settings = {"replay_every": 2, "vote_every": 1, "seed": 7, **(config or {})}
     guard = ShardedGuard(
-        model, optimizer, next_token_loss, run_dir, GuardConfig(faults=faults, **settings)
+        model,
+        optimizer,
+        loss_fn or next_token_loss,
+        run_dir,
+        GuardConfig(faults=faults, **settings),
     )
     start = guard.resume() if resume else 0
     losses = []
     rank = dist.get_rank()
     for step in range(start, steps):
-        losses.append(guard.step(_batch(step, rank)))
+        losses.append(guard.step(batch(step, rank)))
         if guard.step_count in save_at:
             guard.save_checkpoint()
     return {

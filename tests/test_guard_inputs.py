@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -32,6 +33,22 @@ from slurm_guard.faults.injection import parse_faults
 def test_config_out_of_range(kwargs: dict[str, object]) -> None:
     with pytest.raises(sg.ConfigError, match="GuardConfig"):
         sg.GuardConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["max_grad_norm", "tolerance_margin", "watchdog_seconds", "abft_margin", "triage_seconds"],
+)
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_an_infinite_or_nan_setting_is_refused_by_name(name: str, value: float) -> None:
+    # max_grad_norm=inf passed `> 0` and run.json got `Infinity`, which is not JSON
+    with pytest.raises(sg.ConfigError, match=f"GuardConfig.{name}="):
+        sg.GuardConfig(**{name: value})  # type: ignore[arg-type]
+
+
+def test_every_accepted_setting_is_valid_json() -> None:
+    summary = sg.GuardConfig(max_grad_norm=1e308, tolerance_margin=1e300).summary()
+    json.loads(json.dumps(summary, allow_nan=False))
 
 
 def test_model_must_be_ddp(tmp_path: Path) -> None:

@@ -328,17 +328,19 @@ def submit_cmd(
 @click.option(
     "--grace",
     type=click.FloatRange(min=0),
-    default=30.0,
-    show_default=True,
-    help="Seconds the other ranks get to exit after one fails, before they are stopped.",
+    default=None,
+    help="Seconds the other ranks get to exit after one fails, before they are stopped "
+    "[default: the guard's default watchdog_seconds (300) + 60, so that they stop on the "
+    "guard's named error; set it to your GuardConfig's watchdog_seconds + 60].",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def local_cmd(nprocs: int, grace: float, command: tuple[str, ...]) -> None:
+def local_cmd(nprocs: int, grace: float | None, command: tuple[str, ...]) -> None:
     """Run a training script on N local processes, each posing as its own node.
 
     Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     (init_process_group("gloo") reads them) and SLURMD_NODENAME=node<r+1>. Exits 86 if any
-    rank was stopped by the guard (torchrun turns 86 into 1), else the first failure's code.
+    rank was stopped by the guard (torchrun turns 86 into 1), else with the code of the rank
+    that failed first. Ctrl-C, SIGTERM and SIGHUP stop every rank before the launcher exits.
 
     Example:
 
@@ -347,9 +349,14 @@ def local_cmd(nprocs: int, grace: float, command: tuple[str, ...]) -> None:
         SLURM_GUARD_INJECT=kind=grad-scale,node=node2,step=5,persistent=1 \\
             slurm-guard local -n 3 -- python train.py
     """
-    from slurm_guard.local.script import run_script
+    from slurm_guard.local.script import DEFAULT_GRACE_SECONDS, LaunchError, run_script
 
-    raise SystemExit(run_script(command, nprocs, grace_seconds=grace))
+    grace_seconds = DEFAULT_GRACE_SECONDS if grace is None else grace
+    try:
+        code = run_script(command, nprocs, grace_seconds=grace_seconds)
+    except LaunchError as exc:
+        raise click.ClickException(str(exc)) from None
+    raise SystemExit(code)
 
 
 @click.command("task", context_settings={"ignore_unknown_options": True})

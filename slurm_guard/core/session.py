@@ -37,17 +37,15 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from slurm_guard.abft import Abft, measure_coverage
-from slurm_guard.abft import attach as attach_abft
+from slurm_guard.abft import measure_coverage
 from slurm_guard.checks.comm_hook import HookState, SignVectors, guard_comm_hook
 from slurm_guard.checks.replay import (
     Captured,
@@ -56,44 +54,28 @@ from slurm_guard.checks.replay import (
     ReplayOutput,
     capture,
     combined_loss,
-    is_replaying,
     preserved_state,
     recompute,
 )
 from slurm_guard.checks.rows import StepResult
 from slurm_guard.checks.triage import triage_alarm
-from slurm_guard.checks.verdicts import Finding
 from slurm_guard.checks.verifier import Verifier
-from slurm_guard.comm.collective import Collective
-from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.config import GuardConfig
 from slurm_guard.core import snapshots as node_snapshots
+from slurm_guard.core.base import GuardBase
 from slurm_guard.core.calls import NO_SYNC, StepCalls, StepPlan
-from slurm_guard.core.setup import (
-    agree_on_seed,
-    announce_faults,
-    check_same_setup,
-    prepare_run_dir,
-    warm_kernels,
-    warn_small_world,
-)
+from slurm_guard.core.setup import warn_small_world
 from slurm_guard.core.state import ReplicatedState
 from slurm_guard.core.stateful import Stateful, check_stateful
 from slurm_guard.core.stateful import setup_fields as stateful_fields
 from slurm_guard.errors import GuardError
-from slurm_guard.faults import Fault, FaultInjector, faults_from_env
-from slurm_guard.fingerprint import FastFingerprinter, Fingerprinter
-from slurm_guard.protocol import Check
-from slurm_guard.rundir.alarms import AlarmWriter
 from slurm_guard.rundir.checkpoint import rng_state
 from slurm_guard.rundir.layout import RunDir
-from slurm_guard.rundir.records import LedgerEntry, append_ledger
-from slurm_guard.rundir.start import OpenedRun, open_run_dir, write_run_file
 
 logger = logging.getLogger(__name__)
 
 
-class GuardCore(StepCalls):
+class GuardCore(GuardBase, StepCalls):
     """Guarded DDP training without the loop: see the module docstring for the order of calls.
 
     Args are `Guard`'s (the DDP model, its optimizer, `loss_fn(model, batch)`, the shared run
@@ -128,66 +110,16 @@ class GuardCore(StepCalls):
         self.scaler = scaler
         self.stateful = check_stateful(stateful)  # saved per rank in every checkpoint
         self.group: dist.ProcessGroup | None = model.process_group
-        self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
-        me = local_rank_info(self.rank)
-        # Every collective of the guard goes through self.comm (device, agreement, watchdog).
-        self.comm = Collective(self.group, me.node, self.config.watchdog_seconds)
+        self._open_run(
+            group=self.group,
+            module=self.module,
+            ddp=model,
+            label="Guard()",
+            setup_fields=stateful_fields(self.stateful, scaler),
+        )
         self.comm_device = self.comm.device
-        self.job_id = os.environ.get("SLURM_JOB_ID")
-        self.restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
-        self.comm.arrive("Guard() set-up")
-        check_same_setup(
-            self.comm, self.config, self.params, stateful_fields(self.stateful, scaler)
-        )
-        if not self.params:
-            raise GuardError("the model has no trainable parameters: there is nothing to guard")
-        prepare_run_dir(self.comm, self.run_dir.root)
-        self.kernels = warm_kernels(self.comm, model, self.params)  # once per node, not at step 9
-        self.topology = Topology.build(gather_rank_infos(me, comm=self.comm))
         warn_small_world(self.topology, self.rank)
-        # Before the seed and the checks: everything after writes into this directory.
-        self.opened: OpenedRun = open_run_dir(
-            self.comm,
-            self.run_dir,
-            self.rank,
-            self.world_size,
-            self.topology,
-            job_id=self.job_id,
-            restart_count=self.restart_count,
-        )
-        self.attempt = self.opened.attempt
-        self.run_id = self.opened.run_id
-        # NH first level (the C kernel warmed above, or torch ops), then the multilinear tree
-        seed = agree_on_seed(self.comm, self.config, self.run_dir)
-        self.fingerprinter: Fingerprinter = FastFingerprinter(seed)
-        self.faults: tuple[Fault, ...] = self.comm.agree(
-            lambda: self.config.faults + faults_from_env(),
-            "fault injection settings (GuardConfig.faults, SLURM_GUARD_INJECT)",
-        )
-        self.injector = FaultInjector(self.faults, self.rank, me.node, self.module)
-        self.alarm_writer = AlarmWriter(
-            run_dir=self.run_dir,
-            comm=self.comm,
-            topology=self.topology,
-            rank=self.rank,
-            world_size=self.world_size,
-            job_id=self.job_id,
-            restart_count=self.restart_count,
-            attempt=self.attempt,
-            trust_replays=self.config.trust_replays,
-            faults=self.faults,
-        )
-        # Checked GEMMs: after the injector, whose gemm faults wrap the same layers unchecked.
-        self.abft: Abft | None = None
-        self.abft_coverage: dict[str, object] | None = None  # measured in the settling pass
-        if self.config.abft:
-            config = self.config
-            self.abft = attach_abft(self.module, margin=config.abft_margin, block=config.abft_block)
-            self.abft.set_suspended(is_replaying)  # a replay judges another rank's step
-        from_env = len(self.faults) - len(self.config.faults)
-        announce_faults(self.faults, self.topology, self.rank, from_env)
+        self._wire_checks(self.module, self.faults)
         self.hook = HookState(
             group=self.group,
             world_size=self.world_size,
@@ -224,40 +156,13 @@ class GuardCore(StepCalls):
         self.last_grad_norm: torch.Tensor | None = None  # the clip's norm, on the device
         self._open: tuple[StepPlan, list[Captured]] | None = None  # capture() .. check()
         self._checked: tuple[StepPlan, StepResult] | None = None  # check() .. after_update()
-        self.last_verified_step: int | None = None
-        self.verified_steps: list[int] = []  # passing replays since the resumed checkpoint
         self._settled = not self.config.settle_buckets
         self.voted_at = -1  # step_count right after the last clean vote
-        self._started = time.time()
         # Verified state in node-local memory after each passing vote (GuardConfig.snapshots).
         self.snapshots = node_snapshots.attach(self) if self.config.snapshots else None
-        unwritten = None
-        if self.rank == 0:
-            try:
-                self._write_run_file()
-            except OSError as exc:
-                unwritten = f"cannot write {self.run_dir.run_file} ({exc.strerror})"
-            except Exception as exc:  # any other failure must reach every rank too
-                logger.exception("could not write %s", self.run_dir.run_file)
-                unwritten = f"cannot write {self.run_dir.run_file} ({type(exc).__name__}: {exc})"
-        self.comm.share_problem(unwritten, "run.json")
+        self._record_start()
 
     # ---------------------------------------------------------------- set-up helpers
-
-    def _write_run_file(self) -> None:
-        write_run_file(
-            self.run_dir,
-            self.opened,
-            seed=self.fingerprinter.seed,
-            job_id=self.job_id,
-            restart_count=self.restart_count,
-            world_size=self.world_size,
-            topology=self.topology,
-            config=self.config,
-            faults=self.faults,
-            abft_coverage=self.abft_coverage,
-            started=self._started,
-        )
 
     def _settle_buckets(self, batch: Any) -> None:
         """One discarded forward/backward so DDP rebuilds its buckets before the first real step.
@@ -389,16 +294,6 @@ class GuardCore(StepCalls):
             scale = self.scaler.scale if self.scaler is not None else None
             return recompute(self.module, self.loss_fn, captured, self.params, scale)
 
-    def _ledger(self, step: int, check: Check, passed: bool, detail: dict[str, object]) -> None:
-        if self.rank != 0:
-            return
-        try:
-            append_ledger(
-                self.run_dir.ledger, LedgerEntry(step, check, passed, detail, self.restart_count)
-            )
-        except OSError:
-            logger.exception("could not append to the ledger")
-
     # ---------------------------------------------------------------- the vote and alarms
 
     def state_tensors(self, buffers: bool = True) -> list[torch.Tensor]:
@@ -417,13 +312,3 @@ class GuardCore(StepCalls):
         self.voted_at = step + 1
         if self.snapshots is not None:
             node_snapshots.take(self, self.snapshots, step + 1)
-
-    def alarm(self, finding: Finding, step: int, *, update_applied: bool) -> NoReturn:
-        """Rank 0 writes the alarm; then every rank raises the very same record."""
-        self.alarm_writer.raise_alarm(
-            finding,
-            step,
-            update_applied=update_applied,
-            last_verified=self.last_verified_step,
-            verified_steps=self.verified_steps,
-        )

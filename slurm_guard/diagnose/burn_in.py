@@ -41,7 +41,7 @@ import torch
 
 from slurm_guard.diagnose.evidence import CaseResult, Diagnosis
 from slurm_guard.errors import GuardError
-from slurm_guard.faults.injection import Fault, faults_from_env
+from slurm_guard.faults.injection import Fault, faults_from_env, scale_and_shift
 
 logger = logging.getLogger(__name__)
 
@@ -240,9 +240,7 @@ class _Injector:
         for fault in self.faults:
             hit = index >= fault.step if fault.persistent else index == fault.step
             if hit:
-                flat = out.view(-1)
-                i = fault.element % flat.numel()
-                flat[i] = flat[i] * fault.factor + fault.factor
+                scale_and_shift(out, fault)
         return out
 
 

@@ -33,7 +33,7 @@ KINDS = {
     "grad-bitflip": "flip bit `bit` of one gradient element (backward)",
     "nan": "set one gradient element to NaN (backward)",
     "inf": "set one gradient element to +Inf (backward)",
-    "activation": "multiply one output element of the first layer by `factor` (forward)",
+    "activation": "turn one output element x of the first layer into x*factor+factor (forward)",
     "weight-bitflip": "flip bit `bit` of one weight element after the update (memory)",
     "replay-noise": "relative Gaussian noise of size `factor` on every replayed gradient "
     "(stands in for non-deterministic kernels)",
@@ -50,7 +50,10 @@ BACKWARD_KINDS = ("grad-scale", "grad-bitflip", "nan", "inf")
 
 @dataclass(frozen=True)
 class Fault:
-    """One injected fault. `rank` or `node` selects the target; `param` and `element` the value."""
+    """One injected fault. `rank` or `node` selects the target; `param` and `element` the value.
+
+    Every field, and what each kind does with it: docs/user-guide.md, "The fault spec".
+    """
 
     kind: str
     step: int
@@ -141,6 +144,29 @@ def flip_bit(t: torch.Tensor, element: int, bit: int) -> None:
     bits ^= torch.tensor(1, dtype=int_type, device=t.device) << min(bit, 8 * t.element_size() - 1)
 
 
+def scale_and_shift(t: torch.Tensor, fault: Fault) -> None:
+    """The wrong value of the value faults, in place: element `fault.element` (modulo the
+    size) x becomes x*factor+factor. The shift makes a zero (a ReLU output, a gradient
+    that happens to be 0) wrong too, where a product alone would leave it right."""
+    flat = t.view(-1)
+    i = fault.element % flat.numel()
+    flat[i] = flat[i] * fault.factor + fault.factor
+
+
+def corrupt_gradient(grad: torch.Tensor, fault: Fault) -> None:
+    """A backward fault (`BACKWARD_KINDS`) on element `fault.element` of `grad`, in place."""
+    flat = grad.view(-1)
+    i = fault.element % flat.numel()
+    if fault.kind == "grad-scale":
+        flat[i] = flat[i] * fault.factor
+    elif fault.kind == "grad-bitflip":
+        flip_bit(grad, i, fault.bit)
+    elif fault.kind == "nan":
+        flat[i] = float("nan")
+    else:
+        flat[i] = float("inf")
+
+
 class FaultInjector:
     """Applies this rank's faults through hooks on the real model, so replays see them too."""
 
@@ -213,16 +239,7 @@ class FaultInjector:
             if not self.active(fault):
                 return None
             grad = grad.clone()
-            flat = grad.view(-1)
-            i = fault.element % flat.numel()
-            if fault.kind == "grad-scale":
-                flat[i] = flat[i] * fault.factor
-            elif fault.kind == "grad-bitflip":
-                flip_bit(grad, i, fault.bit)
-            elif fault.kind == "nan":
-                flat[i] = float("nan")
-            else:
-                flat[i] = float("inf")
+            corrupt_gradient(grad, fault)
             return grad
 
         return hook
@@ -244,9 +261,7 @@ class FaultInjector:
             if not self.active(fault) or not isinstance(output, torch.Tensor):
                 return None
             output = output.clone()
-            flat = output.view(-1)
-            i = fault.element % flat.numel()
-            flat[i] = flat[i] * fault.factor + fault.factor
+            scale_and_shift(output, fault)
             return output
 
         return hook
@@ -261,9 +276,7 @@ class FaultInjector:
             return
         for fault in self.faults:
             if fault.kind == "allreduce" and self.active(fault):
-                flat = reduced.view(-1)
-                i = fault.element % flat.numel()
-                flat[i] = flat[i] * fault.factor + fault.factor
+                scale_and_shift(reduced, fault)
 
     def after_update(self) -> None:
         """Memory faults: a one-off flip once, a stuck bit after every update from the onset."""

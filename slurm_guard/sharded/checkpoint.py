@@ -20,9 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
@@ -57,7 +55,7 @@ class GuardState(Protocol):
     world_size: int
     restart_count: int
     attempt: str
-    run_id: str | None
+    run_id: str
     step_count: int
     voted_at: int
     last_verified_step: int | None
@@ -72,10 +70,46 @@ class GuardState(Protocol):
 logger = logging.getLogger(__name__)
 
 
+# Path parts that wrappers insert (torch.compile, activation checkpointing, FSDP1): dropped
+# from the saved names, as DCP's own state-dict helpers drop them, so a checkpoint keeps its
+# keys when a wrapper is added or removed between runs.
+WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def _saved_name(path: str) -> str:
+    return ".".join(part for part in path.split(".") if part not in WRAPPER_PARTS)
+
+
+def model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer of `model`, keyed by its module path.
+
+    Not `model.state_dict()` nor DCP's `get_model_state_dict`: a module's state-dict hooks may
+    rename keys (torchtitan's fused QKV splits `wqkv` into `wq`/`wk`/`wv`, which
+    `get_model_state_dict` cannot map back to a parameter) and may gather shards to do it,
+    a collective that a per-rank load must not run. The tensors themselves are what a resume
+    restores; DCP reads into them in place (the local shard of each DTensor).
+    """
+    state: dict[str, torch.Tensor] = {}
+    for path, module in model.named_modules():
+        if type(module).get_extra_state is not torch.nn.Module.get_extra_state:
+            raise GuardError(
+                f"module {path or '(root)'} ({type(module).__name__}) keeps extra state "
+                "(get_extra_state), which a sharded checkpoint does not save yet: use a "
+                "model without it, or sg.Guard"
+            )
+    for name, param in model.named_parameters():
+        state[_saved_name(name)] = param.detach()
+    for name, buffer in model.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf not in model.get_submodule(owner)._non_persistent_buffers_set:
+            state[_saved_name(name)] = buffer.detach()
+    return state
+
+
 def _state(guard: GuardState) -> dict[str, Any]:
-    """Model and optimizer state keyed by parameter name, as DCP saves it (torchtitan's form)."""
+    """Model and optimizer state keyed by parameter path, as DCP saves it."""
     return {
-        "model": get_model_state_dict(guard.model),
+        "model": model_tensors(guard.model),
         "optimizer": get_optimizer_state_dict(guard.model, guard.optimizer),
     }
 
@@ -133,8 +167,9 @@ def save_checkpoint(guard: GuardState) -> Path:
 def load_shards(guard: GuardState, step: int) -> None:
     """Load checkpoint `step` into this rank's shards; raise where it is unusable here.
 
-    No collectives: DCP reads this rank's pieces alone (`no_dist=True`), and the state-dict
-    helpers copy into the local shards.
+    No collectives: DCP reads this rank's pieces alone (`no_dist=True`) straight into the
+    model's own tensors (the module's state-dict hooks never run, `model_tensors`), and the
+    optimizer helper copies into the local shards.
     """
     directory = guard.run_dir.checkpoint_path(step)
     meta = parse_checkpoint_meta(read_json_file(directory / "meta.json"), str(directory))
@@ -155,7 +190,6 @@ def load_shards(guard: GuardState, step: int) -> None:
         # it "assumes a single process", which is true of each rank's own shards
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         state_dict_loader.load(state, checkpoint_id=directory, no_dist=True)
-    set_model_state_dict(guard.model, state["model"])
     set_optimizer_state_dict(guard.model, guard.optimizer, state["optimizer"])
     rng_path = directory / ckpt.rng_file(guard.rank)
     if ckpt.rng_file(guard.rank) in meta.files:

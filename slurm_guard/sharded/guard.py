@@ -9,50 +9,37 @@ docs/integrations/fsdp.md.
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from slurm_guard.abft import Abft
-from slurm_guard.abft import attach as attach_abft
-from slurm_guard.checks.replay import LossFn, Microbatches, capture, is_replaying
+from slurm_guard.checks.replay import LossFn, Microbatches, capture
 from slurm_guard.checks.rows import StepResult
-from slurm_guard.checks.verdicts import Finding, bits_to_float
-from slurm_guard.comm.collective import Collective
-from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_info
+from slurm_guard.checks.verdicts import bits_to_float
 from slurm_guard.config import GuardConfig
 from slurm_guard.core import decide
+from slurm_guard.core.base import GuardBase
 from slurm_guard.core.calls import StepCalls, StepPlan
-from slurm_guard.core.setup import (
-    agree_on_seed,
-    check_same_setup,
-    prepare_run_dir,
-    warm_kernels,
-)
 from slurm_guard.errors import GuardError
-from slurm_guard.faults import Fault, FaultInjector, faults_from_env
-from slurm_guard.faults.injection import BACKWARD_KINDS, flip_bit
-from slurm_guard.fingerprint import FastFingerprinter, Fingerprinter
-from slurm_guard.protocol import Check
-from slurm_guard.rundir.alarms import AlarmWriter
+from slurm_guard.faults import Fault
+from slurm_guard.faults.injection import (
+    BACKWARD_KINDS,
+    corrupt_gradient,
+    flip_bit,
+    scale_and_shift,
+)
 from slurm_guard.rundir.checkpoint import rng_state
 from slurm_guard.rundir.layout import RunDir
-from slurm_guard.rundir.records import LedgerEntry, append_ledger
-from slurm_guard.rundir.start import open_run_dir, write_run_file
 from slurm_guard.sharded import checkpoint
 from slurm_guard.sharded.hooks import ReduceScatterState, fsdp_modules, install
 from slurm_guard.sharded.replay import Mesh
 from slurm_guard.sharded.verifier import ShardedVerifier
 from slurm_guard.sharded.vote import local_state, shard
-
-logger = logging.getLogger(__name__)
 
 HOOK_KINDS = ("activation", "gemm")  # faults the shared injector applies through module hooks
 
@@ -73,7 +60,7 @@ def _mesh(model: nn.Module) -> Mesh:
     )
 
 
-class ShardedGuard(StepCalls):
+class ShardedGuard(GuardBase, StepCalls):
     """Guarded FSDP2 / HSDP training. The arguments are `Guard`'s, for a `fully_shard` model.
 
     Args:
@@ -113,58 +100,20 @@ class ShardedGuard(StepCalls):
                 "x1 mesh: with one shard FSDP2 skips the reduce-scatter whose input the guard "
                 "checks. Replication alone is data parallelism: use DDP and sg.Guard"
             )
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        me = local_rank_info(self.rank)
-        self.comm = Collective(None, me.node, self.config.watchdog_seconds)
-        self.job_id = os.environ.get("SLURM_JOB_ID")
-        self.restart_count = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.comm.arrive("ShardedGuard() set-up")
         mesh_field = {"mesh (replicas x shards)": repr((self.mesh.replicas, self.mesh.shards))}
-        check_same_setup(self.comm, self.config, self.params, mesh_field)
-        prepare_run_dir(self.comm, self.run_dir.root)
-        self.kernels = warm_kernels(self.comm, None, self.params)  # no DDP buckets under FSDP
-        self.topology = Topology.build(gather_rank_infos(me, comm=self.comm))
-        self.opened = open_run_dir(
-            self.comm,
-            self.run_dir,
-            self.rank,
-            self.world_size,
-            self.topology,
-            job_id=self.job_id,
-            restart_count=self.restart_count,
+        self._open_run(
+            group=None,
+            module=model,
+            ddp=None,  # no DDP buckets under FSDP
+            label="ShardedGuard()",
+            setup_fields=mesh_field,
+            allowed_faults=self._supported,
         )
-        self.attempt = self.opened.attempt
-        self.run_id: str | None = self.opened.run_id
-        seed = agree_on_seed(self.comm, self.config, self.run_dir)
-        self.fingerprinter: Fingerprinter = FastFingerprinter(seed)
-        self.faults: tuple[Fault, ...] = self.comm.agree(
-            lambda: self._supported(self.config.faults + faults_from_env()),
-            "fault injection settings (GuardConfig.faults, SLURM_GUARD_INJECT)",
-        )
-        mine = [f for f in self.faults if f.targets(self.rank, me.node)]
-        hooked = tuple(f for f in mine if f.kind in HOOK_KINDS)
-        self.injector = FaultInjector(hooked, self.rank, me.node, model)
+        mine = [f for f in self.faults if f.targets(self.rank, self.node)]
+        self._wire_checks(model, [f for f in mine if f.kind in HOOK_KINDS])
         self._grad_faults = [f for f in mine if f.kind in BACKWARD_KINDS]
         self._weight_faults = [f for f in mine if f.kind == "weight-bitflip"]
         self._reduction_faults = [f for f in mine if f.kind == "allreduce"]
-        self.alarm_writer = AlarmWriter(
-            run_dir=self.run_dir,
-            comm=self.comm,
-            topology=self.topology,
-            rank=self.rank,
-            world_size=self.world_size,
-            job_id=self.job_id,
-            restart_count=self.restart_count,
-            attempt=self.attempt,
-            trust_replays=self.config.trust_replays,
-            faults=self.faults,
-        )
-        self.abft: Abft | None = None
-        if self.config.abft:  # after the injector, whose gemm faults wrap the same layers
-            config = self.config
-            self.abft = attach_abft(model, margin=config.abft_margin, block=config.abft_block)
-            self.abft.set_suspended(is_replaying)  # a replay judges another rank's step
         self.rs_state = ReduceScatterState(
             self.fingerprinter,
             corrupt=self._corrupt_gradient,
@@ -185,31 +134,10 @@ class ShardedGuard(StepCalls):
         )
         self.step_count = 0
         self.voted_at = -1
-        self.last_verified_step: int | None = None
-        self.verified_steps: list[int] = []
         self.rng_after_step: dict[str, torch.Tensor] | None = None
         self._open = None
         self._checked = None
-        problem = None
-        if self.rank == 0:
-            try:
-                write_run_file(
-                    self.run_dir,
-                    self.opened,
-                    seed=self.fingerprinter.seed,
-                    job_id=self.job_id,
-                    restart_count=self.restart_count,
-                    world_size=self.world_size,
-                    topology=self.topology,
-                    config=self.config,
-                    faults=self.faults,
-                    abft_coverage=None,
-                    started=time.time(),
-                )
-            except Exception as exc:  # any failure must reach every rank too
-                logger.exception("could not write %s", self.run_dir.run_file)
-                problem = f"cannot write {self.run_dir.run_file} ({exc})"
-        self.comm.share_problem(problem, "run.json")
+        self._record_start()
 
     @staticmethod
     def _supported(faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
@@ -225,22 +153,13 @@ class ShardedGuard(StepCalls):
         """An `allreduce` fault: a wrong value in this rank's output of reduce-scatter `param`."""
         for fault in self._reduction_faults:
             if call == fault.param and self.injector.active(fault):
-                flat = chunk.view(-1)
-                i = fault.element % flat.numel()
-                flat[i] = flat[i] * fault.factor + fault.factor
+                scale_and_shift(chunk, fault)
 
     def _corrupt_gradient(self, buffer: torch.Tensor, call: int) -> None:
         """A gradient fault hits this rank's unreduced gradient of reduce-scatter `param`."""
         for fault in self._grad_faults:
             if call == fault.param and self.injector.active(fault):
-                flat = buffer.view(-1)
-                i = fault.element % flat.numel()
-                if fault.kind == "grad-scale":
-                    flat[i] = flat[i] * fault.factor
-                elif fault.kind == "grad-bitflip":
-                    flip_bit(buffer, i, fault.bit)
-                else:
-                    flat[i] = float("nan") if fault.kind == "nan" else float("inf")
+                corrupt_gradient(buffer, fault)
 
     def _flip_weights(self) -> None:
         with torch.no_grad():
@@ -340,25 +259,6 @@ class ShardedGuard(StepCalls):
             if finding is not None:
                 self.alarm(finding, step, update_applied=True)
         self.voted_at = step + 1
-
-    def alarm(self, finding: Finding, step: int, *, update_applied: bool) -> NoReturn:
-        self.alarm_writer.raise_alarm(
-            finding,
-            step,
-            update_applied=update_applied,
-            last_verified=self.last_verified_step,
-            verified_steps=self.verified_steps,
-        )
-
-    def _ledger(self, step: int, check: Check, passed: bool, detail: dict[str, object]) -> None:
-        if self.rank != 0:
-            return
-        try:
-            append_ledger(
-                self.run_dir.ledger, LedgerEntry(step, check, passed, detail, self.restart_count)
-            )
-        except OSError:
-            logger.exception("could not append to the ledger")
 
     # ---------------------------------------------------------------- checkpoints
 
