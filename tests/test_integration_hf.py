@@ -16,6 +16,7 @@ import pytest
 from framework_results import alarms, status_json
 
 from slurm_guard.local import run_local
+from slurm_guard.report import write_report
 
 HAVE = all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
 if not HAVE and os.environ.get("SLURM_GUARD_REQUIRE_INTEGRATIONS") == "1":
@@ -118,6 +119,8 @@ def test_rotation_keeps_the_trusted_checkpoint_and_status_names_what_the_rerun_l
     ]
     view = status_json(tmp_path / "rot-run", tmp_path / "state")
     assert (view["trusted_checkpoint"], view["trusted_checkpoint_path"]) == (2, trusted)
+    write_report(tmp_path / "rot-run", tmp_path / "report.html")
+    assert f"trusted (rollback target) ({trusted})" in (tmp_path / "report.html").read_text()
     outs = _run(hf_workers.rotated_resumed, tmp_path)
     assert all(o.status == "ok" for o in outs), [o.value for o in outs]
     assert {(o.value["resumed_from"], o.value["resumed_path"]) for o in outs} == {(2, trusted)}

@@ -174,7 +174,7 @@ def seal_checkpoint(core: GuardCore, checkpoint: Path, seal_path: Path, framewor
             sealed = seal.as_json(core.restart_count, core.world_size)
             atomic_write_json(seal_path, sealed)
             record_location(core.run_dir, sealed, seal_path, framework)
-        except (OSError, RecordError) as exc:
+        except (OSError, RecordError, GuardError) as exc:
             problem = f"could not seal {checkpoint} ({exc})"
     core.comm.share_problem(problem, "sealing the framework's checkpoint")
 

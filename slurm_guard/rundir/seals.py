@@ -95,6 +95,20 @@ def record_location(
     location = Path(str(seal_json["location"]))
     record = {**seal_json, "seal": str(seal_path.absolute()), "framework": framework}
     atomic_write_json(_record_path(run_dir, location), record)
+    _prune(run_dir.root / LOCATIONS_DIR)
+
+
+def _prune(folder: Path) -> None:
+    """Drop the records whose seal is gone (rotated away, quarantined): without this a run
+    that saves every step would leave one record per checkpoint it ever wrote."""
+    for name in listdir_or_raise(folder, "framework checkpoints"):
+        try:
+            record = read_json_file(folder / name)
+            seal = Path(str(record["seal"])) if isinstance(record, dict) else None
+        except (RecordError, KeyError):
+            continue
+        if seal is not None and not seal.exists():
+            (folder / name).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -106,6 +120,8 @@ class Located:
     seal_path: Path
     run_id: str
     framework: str
+    restart_count: int | None = None
+    created: float | None = None
 
 
 def located_checkpoints(run_dir: RunDir) -> list[Located]:
@@ -139,10 +155,17 @@ def located_checkpoints(run_dir: RunDir) -> list[Located]:
                 seal_path,
                 seal.run_id,
                 str(record.get("framework", "")),
+                _number(record.get("restart_count"), int),
+                _number(record.get("created"), float),
             )
         )
     found.sort(key=resume_order)
     return found
+
+
+def _number(value: Any, kind: type) -> Any:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return kind(value) if ok else None
 
 
 def resume_order(item: Any) -> tuple[int, str]:
