@@ -36,6 +36,7 @@ to compare against), `sync_each_batch` accumulation, LOMO optimizers.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import shutil
@@ -63,6 +64,7 @@ from slurm_guard.integrations._frameworks import (
 from slurm_guard.rundir.layout import RunDir
 
 _Trainer: Any = require("transformers", "hf").Trainer
+logger = logging.getLogger(__name__)
 
 SEAL_NAME = "slurm_guard.json"
 """Written into each sealed `checkpoint-N/` folder, last."""
@@ -290,7 +292,13 @@ class GuardedTrainer(_Trainer):  # type: ignore[misc]
     def _guard_rotate(self, run_dir: Path, limit: int) -> None:
         """The Trainer's rotation (oldest first; the newest and the best model stay), where
         the checkpoints the trust rule needs (`held_back`) stay too and do not count."""
-        listed = self._list_checkpoints(run_dir)
+        try:  # rank 0 alone: an error here would leave the other ranks waiting
+            listed = self._list_checkpoints(run_dir)
+        except OSError as exc:
+            logger.warning(
+                "save_total_limit: nothing rotated, %s cannot be listed (%s)", run_dir, exc
+            )
+            return
         keep = held_back(self._require_guard(), listed)
         best = self.state.best_model_checkpoint
         ordered = [item.path for item in sorted(listed, key=lambda item: item.step)]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -63,6 +64,7 @@ from slurm_guard.rundir.records import RecordError
 from slurm_guard.rundir.seals import located_checkpoints, read_seal
 
 _pl: Any = require("lightning.pytorch", "lightning")
+logger = logging.getLogger(__name__)
 
 SEAL_SUFFIX = ".slurm-guard.json"
 """Beside each sealed `.ckpt`: `step=6.ckpt` -> `step=6.ckpt.slurm-guard.json`."""
@@ -181,7 +183,8 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
             one the trust rule needs stays (`_frameworks.held_back`) until it is not needed."""
             if trainer.is_global_zero and self.guard is not None:
                 path = Path(filepath).resolve()
-                if path in held_back(self.guard, self._list_checkpoints(trainer, self.run_dir)):
+                keep = self._held_back()
+                if keep is None or path in keep:
                     self._spared.add(path)
                     return
             remover(filepath)
@@ -226,9 +229,8 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
     @staticmethod
     def _list_checkpoints(trainer: Any, run_dir: RunDir) -> list[Listed]:
         """Every `.ckpt` in the checkpoint callbacks' folders and default_root_dir (SLURM's),
-        and every sealed one the run directory records (`rundir.seals`): with the default
-        logger a rerun's ModelCheckpoint writes to `version_1/`, the sealed ones lie in
-        `version_0/`."""
+        and every sealed one the run directory records (`rundir.seals`): a rerun's default
+        logger writes to `version_1/`, the sealed ones lie in `version_0/`."""
         folders = {Path(trainer.default_root_dir)}
         for callback in trainer.checkpoint_callbacks:
             if getattr(callback, "dirpath", None):
@@ -394,12 +396,22 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         save_sealed(guard, "lightning", steps, write, path, seal_path(path))
         self._release_spared()
 
+    def _held_back(self) -> set[Path] | None:
+        """Rank 0 (no collectives): what top-k must not delete; None (keep every `.ckpt`)
+        when that cannot be read, as a deleted checkpoint the trust rule needs is lost."""
+        assert self.guard is not None
+        try:
+            return held_back(self.guard, self._list_checkpoints(self._trainer, self.run_dir))
+        except (GuardError, OSError) as exc:
+            logger.warning("top-k deletes no .ckpt now: %s", exc)
+            return None
+
     def _release_spared(self) -> None:
         """Rank 0: delete the `.ckpt` held back from top-k that the trust rule needs no more."""
         if not self._spared or not self._trainer.is_global_zero or self.guard is None:
             return
-        keep = held_back(self.guard, self._list_checkpoints(self._trainer, self.run_dir))
-        for path in sorted(self._spared - keep):
+        keep = self._held_back()
+        for path in sorted(self._spared - (keep if keep is not None else self._spared)):
             self._spared.discard(path)
             self._remove(str(path))
 
