@@ -36,6 +36,19 @@ def alarms(run_dir: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted(Path(run_dir, "alarms").glob("*.json"))]
 
 
+def status_json(run_dir: Path, state_dir: Path) -> dict[str, Any]:
+    """What `slurm-guard status --json` says about the run (no Slurm: its client fails fast)."""
+    from click.testing import CliRunner
+
+    from slurm_guard.cli.main import main
+
+    args = ["status", str(run_dir), "--state-dir", str(state_dir), "--json"]
+    result = CliRunner().invoke(main, args, env={"SLURM_CONF": "/nonexistent/slurm.conf"})
+    assert result.exit_code == 0, result.output
+    view: dict[str, Any] = json.loads(result.output)
+    return view
+
+
 def listing(path: str, pattern: str) -> list[str]:
     """The framework's checkpoints under `path`, quarantined ones included, relative to it."""
     return sorted(str(p.relative_to(path)) for p in Path(path).rglob(pattern))

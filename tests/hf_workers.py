@@ -55,6 +55,7 @@ def train(
     nan_at: tuple[int, int] | None = None,
     accumulation: int = 2,
     exit_on_alarm: bool | None = False,
+    save_total_limit: int | None = None,
 ) -> dict[str, Any]:
     """One Trainer run (resuming from what the guard trusts); the final state's hash.
 
@@ -79,6 +80,7 @@ def train(
         max_steps=max_steps,
         save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500,
+        save_total_limit=save_total_limit,
         logging_steps=1,
         report_to=[],
         seed=0,
@@ -101,7 +103,7 @@ def train(
         )
     else:
         trainer = Trainer(model=model, args=args, train_dataset=data)
-    start = [-1]
+    start: list[Any] = [-1, None]
     orig_log = trainer.log
 
     def log(logs: dict[str, float], *a: Any, **k: Any) -> None:
@@ -114,10 +116,12 @@ def train(
     finally:
         chosen = getattr(trainer, "_guard_chosen", None)
         start[0] = -1 if chosen is None else chosen.step
+        start[1] = None if chosen is None or chosen.path is None else str(chosen.path)
     return {
         "sha": state_sha(trainer.model),  # type: ignore[arg-type]
         "global_step": trainer.state.global_step,
         "resumed_from": start[0],
+        "resumed_path": start[1],
         "grad_norms": [x["grad_norm"] for x in logged if "grad_norm" in x],
         "rank": dist.get_rank(),
     }
@@ -150,6 +154,49 @@ def resumed(root: str) -> dict[str, Any]:
     trust only step 0, and a start from scratch would hide a resume that is not bit-identical)."""
     config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1)
     return train(f"{root}/fault-out", f"{root}/fault-run", 8, config, save_steps=1)
+
+
+def rotated_faulty(root: str) -> dict[str, Any]:
+    """docs/integrations/hf.md's advice taken (issue 34): a checkpoint after every step,
+    `save_total_limit=2`, a replay every 2 steps and the default `trust_replays=2`; a
+    persistent fault on node2 from step 5, caught by the replay at step 6, which trusts only
+    checkpoint-2: the Trainer's rotation alone would have deleted it by then."""
+    fault = sg.Fault(kind="grad-scale", node="node2", step=5, persistent=True)
+    config = sg.GuardConfig(replay_every=2, schedule="fixed", faults=(fault,))
+    out, run = f"{root}/rot-out", f"{root}/rot-run"
+    return train(out, run, 8, config, save_steps=1, save_total_limit=2)
+
+
+def rotated_resumed(root: str) -> dict[str, Any]:
+    """The rerun without the fault."""
+    config = sg.GuardConfig(replay_every=2, schedule="fixed")
+    out, run = f"{root}/rot-out", f"{root}/rot-run"
+    return train(out, run, 8, config, save_steps=1, save_total_limit=2)
+
+
+def refused_resumes(root: str) -> dict[str, Any]:
+    """Checkpoints a resume may not load, each an error on every rank (issue 34): the same
+    output_dir with a new guard_run_dir (another run's seals), then every allowed checkpoint
+    damaged (one flipped bit in model.safetensors)."""
+    config = sg.GuardConfig(replay_every=2, schedule="fixed")
+    out = f"{root}/out"
+    train(out, f"{root}/run", 3, config, save_steps=1)
+    errors: dict[str, Any] = {}
+    for case, run_dir in (("foreign", f"{root}/other-run"), ("damaged", f"{root}/run")):
+        if case == "damaged" and dist.get_rank() == 0:
+            for folder in Path(out).glob("checkpoint-*"):
+                weights = folder / "model.safetensors"
+                data = bytearray(weights.read_bytes())
+                data[-10] ^= 1
+                weights.write_bytes(bytes(data))
+        dist.barrier()
+        try:
+            train(out, run_dir, 5, config, save_steps=1)
+            errors[case] = None
+        except sg.GuardError as exc:
+            errors[case] = str(exc)
+    errors["left"] = checkpoints(out)
+    return errors
 
 
 def checkpoints(path: str) -> list[str]:

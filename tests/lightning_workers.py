@@ -98,13 +98,20 @@ def train(
     dropout: float = 0.1,
     exit_on_alarm: bool | None = False,
     keep_one: bool = False,
+    defaults: bool = False,
+    ckpt_path: str | None = None,
+    two_guards: bool = False,
 ) -> dict[str, Any]:
     """One `trainer.fit` (resuming from what the guard trusts by itself); the final hash.
 
     `exit_on_alarm` is GuardCallback's: False raises the alarm to the caller, None keeps the
     callback's default (exit 86 under Slurm). Devices per node come from LOCAL_WORLD_SIZE (all
     ranks on one "node" under run_local; one a node under srun, where Lightning's
-    SLURMEnvironment checks them against `--ntasks-per-node` and the node count)."""
+    SLURMEnvironment checks them against `--ntasks-per-node` and the node count).
+
+    `defaults`: Lightning's default logger (CSV, `lightning_logs/version_N/`) and one
+    `ModelCheckpoint(every_n_train_steps=1)` with its default folder (the logger's version)
+    and `save_top_k=1`. `two_guards`: a user's mistake, two GuardCallbacks."""
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.strategies import DDPStrategy
@@ -123,6 +130,8 @@ def train(
     if guarded:  # the three lines a user adds (the import is above)
         guard = GuardCallback(run_dir, config, exit_on_alarm=exit_on_alarm)
         callbacks.append(guard)
+        if two_guards:
+            callbacks.append(GuardCallback(run_dir, config, exit_on_alarm=exit_on_alarm))
     else:
         callbacks.append(_reseed_like_the_guard())
     if save_every:
@@ -136,6 +145,8 @@ def train(
         )
     if keep_one:  # after every step; top-k deletes the older .ckpt files
         callbacks.append(ModelCheckpoint(dirpath=f"{out}/top1", every_n_train_steps=1))
+    if defaults:
+        callbacks.append(ModelCheckpoint(every_n_train_steps=1))
     world = int(os.environ.get("WORLD_SIZE") or dist.get_world_size())  # torchrun's, or the group
     devices = int(os.environ.get("LOCAL_WORLD_SIZE") or world)
     trainer = pl.Trainer(
@@ -148,15 +159,15 @@ def train(
         gradient_clip_val=1.0,
         default_root_dir=out,
         callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=bool(save_every),
+        logger=defaults,
+        enable_checkpointing=bool(save_every) or defaults,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     exit_code = None
     try:
-        trainer.fit(model, train_dataloaders=_data(nan))
+        trainer.fit(model, train_dataloaders=_data(nan), ckpt_path=ckpt_path)
     except SystemExit as exc:  # exit_on_alarm: the process group is gone
         exit_code = exc.code
     chosen = guard.chosen if guard is not None else None
@@ -164,6 +175,7 @@ def train(
         "sha": state_sha(model),
         "global_step": trainer.global_step,
         "resumed_from": -1 if chosen is None else chosen.step,
+        "resumed_path": None if chosen is None or chosen.path is None else str(chosen.path),
         "grad_norms": model.grad_norms,
         "exit_code": exit_code,
         "lr": trainer.optimizers[0].param_groups[0]["lr"] if exit_code is None else None,
@@ -199,6 +211,52 @@ def resumed(root: str) -> dict[str, Any]:
     bit-identical)."""
     config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1)
     return train(f"{root}/fault-out", f"{root}/fault-run", 9, config, save_every=3)
+
+
+def defaults_faulty(root: str) -> dict[str, Any]:
+    """Lightning's defaults (issue 34): the CSV logger's version_0/checkpoints, save_top_k=1
+    with a save after every step; a persistent fault on node3 from step 4, caught at 6. The
+    replay at 3 vouches for step 3's .ckpt, which top-k would delete at the next save."""
+    fault = sg.Fault(kind="grad-scale", node="node3", step=4, persistent=True)
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1, faults=(fault,))
+    out, run = f"{root}/def-out", f"{root}/def-run"
+    return train(out, run, 9, config, defaults=True, exit_on_alarm=True)
+
+
+def defaults_resumed(root: str) -> dict[str, Any]:
+    """The rerun: its logger is version_1, the trusted .ckpt lies in version_0."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1)
+    return train(f"{root}/def-out", f"{root}/def-run", 9, config, defaults=True)
+
+
+def refused(root: str) -> dict[str, Any]:
+    """What a resume refuses, each an error on every rank: two GuardCallbacks, a ckpt_path the
+    guard does not trust, another run's seals, every allowed .ckpt damaged."""
+    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1)
+    out, run = f"{root}/out", f"{root}/run"
+    errors: dict[str, Any] = {}
+
+    def attempt(case: str, *args: Any, **kwargs: Any) -> None:
+        try:
+            train(*args, **kwargs)
+            errors[case] = None
+        except sg.GuardError as exc:
+            errors[case] = str(exc)
+
+    attempt("two_guards", out, run, 3, config, two_guards=True)
+    train(out, run, 6, config, save_every=3)  # sealed: step 3, step 6 and last.ckpt
+    early = f"{out}/checkpoints/epoch=0-step=3.ckpt"
+    attempt("ckpt_path", out, run, 9, config, save_every=3, ckpt_path=early)
+    attempt("foreign", out, f"{root}/other-run", 9, config, save_every=3)
+    if dist.get_rank() == 0:
+        for ckpt in Path(out, "checkpoints").glob("*.ckpt"):
+            data = bytearray(ckpt.read_bytes())
+            data[-10] ^= 1
+            ckpt.write_bytes(bytes(data))
+    dist.barrier()
+    attempt("damaged", out, run, 9, config, save_every=3)
+    errors["left"] = checkpoints(out)
+    return errors
 
 
 def checkpoints(path: str) -> list[str]:

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from framework_results import alarms, status_json
 
 from slurm_guard.local import run_local
+from slurm_guard.report import write_report
 
 HAVE = all(importlib.util.find_spec(m) is not None for m in ("transformers", "accelerate"))
 if not HAVE and os.environ.get("SLURM_GUARD_REQUIRE_INTEGRATIONS") == "1":
@@ -92,3 +94,55 @@ def test_persistent_fault_caught_on_its_node_and_resume_skips_later_checkpoints(
     assert {p.name for p in quarantined} == {"checkpoint-4", "checkpoint-5", "checkpoint-6"}
     # bit-identical to the uninterrupted clean run
     assert value["sha"] == clean["ranks"][0]["clean"]["sha"]
+
+
+def test_rotation_keeps_the_trusted_checkpoint_and_status_names_what_the_rerun_loads(
+    clean: dict[str, Any], tmp_path: Path
+) -> None:
+    """save_total_limit=2 with a checkpoint every step would have deleted checkpoint-2, the
+    only one the trust rule allows after the alarm at step 6: the rerun started from step 0."""
+    import hf_workers
+
+    outs = _run(hf_workers.rotated_faulty, tmp_path)
+    assert all(o.status == "alarm" for o in outs), [o.value for o in outs]
+    (alarm,) = alarms(str(tmp_path / "rot-run"))
+    assert (alarm["step"], alarm["last_verified_step"], alarm["suspect_nodes"]) == (
+        6,
+        4,
+        ["node2"],
+    )
+    trusted = str(tmp_path / "rot-out" / "checkpoint-2")
+    assert alarm["trusted_checkpoint"] == trusted
+    # held back: 2 (trusted now) and 4 (trusted after the next pass); 5 and 6 by the limit
+    assert hf_workers.checkpoints(str(tmp_path / "rot-out")) == [
+        f"checkpoint-{n}" for n in (2, 4, 5, 6)
+    ]
+    view = status_json(tmp_path / "rot-run", tmp_path / "state")
+    assert (view["trusted_checkpoint"], view["trusted_checkpoint_path"]) == (2, trusted)
+    write_report(tmp_path / "rot-run", tmp_path / "report.html")
+    assert f"trusted (rollback target) ({trusted})" in (tmp_path / "report.html").read_text()
+    outs = _run(hf_workers.rotated_resumed, tmp_path)
+    assert all(o.status == "ok" for o in outs), [o.value for o in outs]
+    assert {(o.value["resumed_from"], o.value["resumed_path"]) for o in outs} == {(2, trusted)}
+    record = tmp_path / "rot-run" / "handled" / f"{alarm['alarm_id']}.json"
+    handled = json.loads(record.read_text())
+    moved = tmp_path / "rot-out" / "slurm-guard-quarantine" / alarm["alarm_id"]
+    assert sorted(handled["quarantined"]) == [str(moved / f"checkpoint-{n}") for n in (4, 5, 6)]
+    assert outs[0].value["sha"] == clean["ranks"][0]["clean"]["sha"]
+
+
+def test_checkpoints_a_resume_may_not_load_stop_every_rank_naming_the_override(
+    tmp_path: Path,
+) -> None:
+    """Another run's seals (same output_dir, new guard_run_dir) and damaged checkpoints were
+    moved aside with a warning, and the Trainer started again from step 0."""
+    import hf_workers
+
+    outs = _run(hf_workers.refused_resumes, tmp_path)
+    assert all(o.status == "ok" for o in outs), [o.value for o in outs]
+    for out in (o.value for o in outs):
+        assert "sealed by run" in out["foreign"] and "SLURM_GUARD_RESUME=fresh" in out["foreign"]
+        assert "checkpoint-3" in out["foreign"]
+        assert "unusable" in out["damaged"] and "changed since it was sealed" in out["damaged"]
+        assert "SLURM_GUARD_RESUME=fresh" in out["damaged"]
+        assert out["left"] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]  # none moved

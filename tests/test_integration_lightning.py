@@ -7,12 +7,13 @@ its absence fails. Each test spawns real processes (tests/lightning_workers.py).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
-from framework_results import alarms
+from framework_results import alarms, status_json
 
 from slurm_guard.local import run_local
 
@@ -103,3 +104,62 @@ def test_persistent_fault_caught_on_its_node_exits_86_and_resume_skips_later_che
     }
     # bit-identical to the uninterrupted clean run
     assert value["sha"] == clean["ranks"][0]["clean"]["sha"]
+
+
+def test_defaults_keep_the_trusted_ckpt_and_the_rerun_finds_it_in_version_0(
+    clean: dict[str, Any], tmp_path: Path
+) -> None:
+    """Lightning's defaults: top-k (1) deleted step 3's .ckpt at the next save, and the rerun
+    (logger version_1) looked only in version_1: it started from step 0. Status showed no
+    trusted checkpoint, the alarm `"trusted_checkpoint": null`."""
+    import lightning_workers
+
+    outs = _run(lightning_workers.defaults_faulty, tmp_path)
+    assert all(o.status == "ok" and o.value["exit_code"] == 86 for o in outs), [
+        o.value for o in outs
+    ]
+    (alarm,) = alarms(str(tmp_path / "def-run"))
+    assert (alarm["step"], alarm["suspect_nodes"]) == (6, ["node3"])
+    version_0 = tmp_path / "def-out" / "lightning_logs" / "version_0" / "checkpoints"
+    trusted = str(version_0 / "epoch=0-step=3.ckpt")
+    assert alarm["trusted_checkpoint"] == trusted
+    # top-k keeps the newest; the trusted one is held back from it
+    assert {p.name for p in version_0.glob("*.ckpt")} == {
+        "epoch=0-step=3.ckpt",
+        "epoch=1-step=6.ckpt",
+    }
+    view = status_json(tmp_path / "def-run", tmp_path / "state")
+    assert (view["trusted_checkpoint"], view["trusted_checkpoint_path"]) == (3, trusted)
+    outs = _run(lightning_workers.defaults_resumed, tmp_path)
+    assert all(o.status == "ok" for o in outs), [o.value for o in outs]
+    assert {(o.value["resumed_from"], o.value["resumed_path"]) for o in outs} == {(3, trusted)}
+    assert outs[0].value["global_step"] == 9
+    assert (tmp_path / "def-out" / "lightning_logs" / "version_1").is_dir()
+    record = tmp_path / "def-run" / "handled" / f"{alarm['alarm_id']}.json"
+    moved = tmp_path / "def-out" / "slurm-guard-quarantine" / alarm["alarm_id"]
+    assert json.loads(record.read_text())["quarantined"] == [str(moved / "epoch=1-step=6.ckpt")]
+    assert outs[0].value["sha"] == clean["ranks"][0]["clean"]["sha"]
+
+
+def test_what_a_resume_may_not_load_stops_every_rank_in_lightnings_words(
+    tmp_path: Path,
+) -> None:
+    """Two GuardCallbacks failed on torch's comm-hook RuntimeError; a ckpt_path the guard
+    does not trust was refused in HF's words; another run's seals and damaged .ckpt files
+    were moved aside and the run started from step 0."""
+    import lightning_workers
+
+    outs = _run(lightning_workers.refused, tmp_path)
+    assert all(o.status == "ok" for o in outs), [o.value for o in outs]
+    for out in (o.value for o in outs):
+        assert "2 GuardCallbacks" in out["two_guards"]
+        assert "ckpt_path=" in out["ckpt_path"] and "resume_from_checkpoint" not in out["ckpt_path"]
+        assert "trainer.fit without ckpt_path" in out["ckpt_path"]
+        assert "sealed by run" in out["foreign"] and "SLURM_GUARD_RESUME=fresh" in out["foreign"]
+        assert "unusable" in out["damaged"] and "changed since it was sealed" in out["damaged"]
+        assert "SLURM_GUARD_RESUME=fresh" in out["damaged"]
+        assert out["left"] == [
+            "checkpoints/epoch=0-step=3.ckpt",
+            "checkpoints/epoch=1-step=6.ckpt",
+            "checkpoints/last.ckpt",
+        ]

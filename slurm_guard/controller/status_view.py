@@ -17,6 +17,7 @@ from slurm_guard.controller.views import (
 )
 from slurm_guard.rundir.layout import RunDir, RunDirError
 from slurm_guard.rundir.records import Alarm, LedgerEntry, read_ledger
+from slurm_guard.rundir.seals import located_checkpoints, run_id_of
 from slurm_guard.rundir.trust import trust_limit
 from slurm_guard.slurm.client import SlurmClient
 
@@ -106,13 +107,41 @@ def resume_preview(rd: RunDir, trust_replays: int) -> dict[str, Any]:
         for m in scan.metas
         if m.clean_vote and not nothing and (bound is None or m.step <= bound)
     ]
-    return {
+    preview = {
         "trusted_checkpoint": max(clean, default=None),
         "blocked": None,
         "limiting_alarm": limiting,
         "pending_alarms": [a.alarm_id for a in pending] + [a.alarm_id for a in lost],
         "damaged_checkpoints": {str(s): p for s, p in sorted(scan.damaged.items())},
         "latest_checkpoint": max((m.step for m in scan.metas), default=None),
+    }
+    return _with_framework_checkpoints(rd, preview, None if nothing else bound, bool(nothing))
+
+
+def _with_framework_checkpoints(
+    rd: RunDir, preview: dict[str, Any], bound: int | None, nothing: bool
+) -> dict[str, Any]:
+    """Add the framework checkpoints (HF, Lightning) the run directory records
+    (`rundir.seals`), by the integrations' rule: this run's seals, the newest within the
+    bound; and `trusted_checkpoint_path`, the path a restart loads."""
+    guard_step = preview["trusted_checkpoint"]
+    run_id = run_id_of(rd)
+    try:
+        located = [c for c in located_checkpoints(rd) if c.run_id == run_id]
+    except RunDirError as exc:
+        return {**preview, "trusted_checkpoint": None, "blocked": str(exc)}
+    allowed = [c for c in located if not nothing and (bound is None or c.step <= bound)]
+    newest = allowed[0] if allowed else None  # located_checkpoints is in resume order
+    path = None if guard_step is None else str(rd.checkpoint_path(guard_step))
+    if newest is not None and (guard_step is None or newest.step > guard_step):
+        guard_step, path = newest.step, str(newest.path)
+    guard_latest = preview["latest_checkpoint"]
+    latest = max([c.step for c in located] + [-1 if guard_latest is None else guard_latest])
+    return {
+        **preview,
+        "trusted_checkpoint": guard_step,
+        "trusted_checkpoint_path": path,
+        "latest_checkpoint": None if latest < 0 else latest,
     }
 
 
@@ -169,6 +198,7 @@ def _run_part(
     view["resumes"] = resumes
     preview = resume_preview(rd, trust)
     view["trusted_checkpoint"] = preview["trusted_checkpoint"]
+    view["trusted_checkpoint_path"] = preview.get("trusted_checkpoint_path")
     view["resume_blocked"] = preview["blocked"]
     view["damaged_checkpoints"] = preview.get("damaged_checkpoints", {})
     view["latest_checkpoint"] = preview.get("latest_checkpoint")

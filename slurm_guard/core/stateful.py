@@ -6,15 +6,23 @@ skips them: either way not the run that was interrupted. `Guard(stateful={...})`
 object with `state_dict()` / `load_state_dict()` (torch's Stateful protocol); every checkpoint
 saves each of them per rank (a loader's position differs per rank), with the GradScaler's state
 when an enabled one is given, in `stateful-rank-<r>.pt` under the checkpoint's seal.
+
+A resume loads that file with `torch.load(weights_only=True)`, which refuses anything but
+tensors and plain Python data: saved as it is, a sampler's numpy RNG state would make every
+checkpoint unloadable. So numpy arrays and scalars are saved as plain data (`_encode`) and
+given back as numpy at the restore, and anything else such a load would refuse stops the save
+naming its key, at the first save rather than at the resume that needs it.
 """
 
 from __future__ import annotations
 
 import copy
+import io
 import logging
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from slurm_guard.errors import GuardError
@@ -23,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 OBJECTS = "objects"
 SCALER = "grad_scaler"
+NUMPY = "__slurm_guard_numpy__"
+"""Marks a numpy array or scalar saved as plain data: {NUMPY: dtype, "shape": [...],
+"bytes": raw bytes}."""
 
 
 @runtime_checkable
@@ -80,10 +91,79 @@ def collect(
     """This rank's state to save, None when there is nothing (no file is written then)."""
     if not expected(objects, scaler):
         return None
+    saved = {name: _encode(obj.state_dict()) for name, obj in objects.items()}
+    for name, state in saved.items():
+        problem = _unloadable(state, f"stateful[{name!r}].state_dict()")
+        if problem is not None:
+            raise GuardError(problem)
     return {
-        OBJECTS: {name: obj.state_dict() for name, obj in objects.items()},
+        OBJECTS: saved,
         SCALER: scaler.state_dict() if scaler is not None and scaler.is_enabled() else None,
     }
+
+
+def _encode(value: Any) -> Any:
+    """`value` with numpy arrays and scalars as plain data a weights_only load accepts."""
+    if isinstance(value, (np.ndarray, np.generic)):
+        array = np.asarray(value)
+        if array.dtype.hasobject:
+            return value  # object arrays hold Python objects: `_unloadable` names them
+        return {NUMPY: array.dtype.str, "shape": list(array.shape), "bytes": array.tobytes()}
+    if isinstance(value, dict):
+        return type(value)((k, _encode(v)) for k, v in value.items()) if _plain(value) else value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_encode(v) for v in value)
+    return value
+
+
+def _plain(value: dict[Any, Any]) -> bool:
+    return type(value) is dict or type(value).__name__ == "OrderedDict"
+
+
+def _decode(value: Any) -> Any:
+    if isinstance(value, dict):
+        if NUMPY in value and set(value) == {NUMPY, "shape", "bytes"}:
+            array = np.frombuffer(value["bytes"], dtype=np.dtype(value[NUMPY]))
+            array = array.reshape(value["shape"]).copy()
+            return array if array.shape else array[()]
+        return type(value)((k, _decode(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_decode(v) for v in value)
+    return value
+
+
+def _loads_safely(value: Any) -> Exception | None:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    try:
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except Exception as exc:  # the unpickler's errors have no common type
+        return exc
+    return None
+
+
+def _unloadable(state: Any, where: str) -> str | None:
+    """Why a resume could not load `state` (weights_only), naming the innermost key; None if
+    it can. Descends only into what fails, so a loadable state costs one round trip."""
+    if _loads_safely(state) is None:
+        return None
+    items: list[tuple[Any, Any]] = []
+    if isinstance(state, dict):
+        items = list(state.items())
+    elif isinstance(state, (list, tuple)):
+        items = list(enumerate(state))
+    for key, value in items:
+        if _loads_safely(value) is not None:
+            return _unloadable(value, f"{where}[{key!r}]")
+    lines = str(_loads_safely(state)).strip().splitlines()
+    reason = next((x for x in lines if "WeightsUnpickler" in x), lines[-1]).strip()[:200]
+    return (
+        f"{where} holds a {type(state).__module__}.{type(state).__qualname__}, which a resume "
+        f"cannot load (torch.load(weights_only=True) refuses it: {reason}). Return tensors, "
+        "numbers, strings, bytes, numpy arrays, and lists, tuples and dicts of them from "
+        "state_dict() (a numpy RNG: its get_state() or bit_generator.state)"
+    )
 
 
 def missing(saved: Any, objects: Mapping[str, Stateful]) -> list[str]:
@@ -113,7 +193,7 @@ def restore(
 ) -> None:
     """Load every entry; `missing` must have found none."""
     for name, obj in objects.items():
-        obj.load_state_dict(saved[OBJECTS][name])
+        obj.load_state_dict(_decode(saved[OBJECTS][name]))
     if scaler is not None and scaler.is_enabled() and saved.get(SCALER) is not None:
         scaler.load_state_dict(saved[SCALER])
     extra = sorted(set(saved[OBJECTS]) - set(objects))

@@ -7,13 +7,17 @@ callbacks). The guard ties them to its trust decision instead of copying them:
 
 - before the framework saves, the weights are voted on (a clean vote, as for the guard's own
   checkpoints); after it saved, rank 0 writes a *seal* beside the checkpoint: the step, the
-  fingerprint of the state every replica holds, the run's id, and each file's sha256;
-- before the framework resumes, the resume rule of `rundir.recovery.trust_window` (alarms,
-  ledger) picks the newest sealed checkpoint it allows, and every checkpoint newer than it
-  (sealed or not) moves to `<checkpoint dir>/slurm-guard-quarantine/<alarm id>/`, where no
-  framework's "latest checkpoint" search looks;
+  fingerprint of the state every replica holds, the run's id, each file's sha256 and the
+  checkpoint's location, and records that location in the run directory (`rundir.seals`);
+- the framework's rotation (HF `save_total_limit`, Lightning `save_top_k`) never deletes the
+  checkpoints the trust rule needs (`held_back`);
+- before the framework resumes, the resume rule of `Guard.resume()` (`rundir.recovery.
+  trust_window`: alarms, ledger) picks the newest sealed checkpoint it allows, failing closed
+  as the core does, and every checkpoint newer than it (sealed or not) moves to
+  `<checkpoint dir>/slurm-guard-quarantine/<alarm id>/`, where no framework's "latest
+  checkpoint" search looks;
 - after the framework loaded it, every rank checks the fingerprint, and the rollback is
-  recorded (alarms marked handled) as `Guard.resume` records it.
+  recorded (alarms marked handled, with what moved aside) as `Guard.resume` records it.
 """
 
 from __future__ import annotations
@@ -22,8 +26,7 @@ import contextlib
 import importlib
 import logging
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -35,20 +38,44 @@ from slurm_guard.config import GuardConfig
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint import as_hex
 from slurm_guard.guard import exit_on_alarm
+from slurm_guard.integrations._choice import (
+    Listed,
+    Requested,
+    held_back,
+    plan_choice,
+    quarantine,
+)
 from slurm_guard.rundir.checkpoint import sha256_file
-from slurm_guard.rundir.layout import RunDir, fresh_start_requested
-from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
-from slurm_guard.rundir.recovery import ResumePoint, trust_window
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import RecordError, atomic_write_json
+from slurm_guard.rundir.recovery import ResumePoint
 from slurm_guard.rundir.restore import record_rollback
+from slurm_guard.rundir.seals import Seal, read_seal, record_location
 
 if TYPE_CHECKING:
     from slurm_guard.core.session import GuardCore
 
 logger = logging.getLogger(__name__)
 
-SEAL_SCHEMA = 1
 QUARANTINE_DIR = "slurm-guard-quarantine"
 """Beside the framework's checkpoints: where the untrusted ones go, never deleted."""
+
+__all__ = [
+    "QUARANTINE_DIR",
+    "Chosen",
+    "Listed",
+    "Requested",
+    "alarm_exit",
+    "choose_checkpoint",
+    "exits_on_alarm",
+    "finish_resume",
+    "held_back",
+    "quarantine",
+    "read_seal",
+    "require",
+    "save_sealed",
+    "silenced",
+]
 
 
 def require(module: str, extra: str) -> ModuleType:
@@ -75,50 +102,6 @@ def alarm_exit(enabled: bool) -> contextlib.AbstractContextManager[None]:
     return exit_on_alarm() if enabled else contextlib.nullcontext()
 
 
-@dataclass(frozen=True)
-class Seal:
-    """What the guard vouches for about one framework checkpoint."""
-
-    step: int
-    weight_fingerprint: str
-    fingerprint_seed: int
-    run_id: str
-    files: dict[str, str]  # path relative to the checkpoint -> sha256
-
-    def as_json(self, restart_count: int, world_size: int) -> dict[str, Any]:
-        return {
-            "schema": SEAL_SCHEMA,
-            "step": self.step,
-            "clean_vote": True,
-            "weight_fingerprint": self.weight_fingerprint,
-            "fingerprint_seed": self.fingerprint_seed,
-            "run_id": self.run_id,
-            "files": self.files,
-            "restart_count": restart_count,
-            "world_size": world_size,
-            "created": time.time(),
-        }
-
-
-def read_seal(path: Path) -> Seal:
-    obj = read_json_file(path)
-    if not isinstance(obj, dict) or obj.get("schema") != SEAL_SCHEMA:
-        raise RecordError(f"{path}: not a slurm-guard seal of schema {SEAL_SCHEMA}")
-    if obj.get("clean_vote") is not True:
-        raise RecordError(f"{path}: saved without a clean weight vote")
-    try:
-        files = {str(k): str(v) for k, v in dict(obj["files"]).items()}
-        return Seal(
-            int(obj["step"]),
-            str(obj["weight_fingerprint"]),
-            int(obj["fingerprint_seed"]),
-            str(obj["run_id"]),
-            files,
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise RecordError(f"{path}: malformed seal ({exc})") from None
-
-
 def _hash_files(checkpoint: Path, seal_path: Path) -> dict[str, str]:
     if checkpoint.is_file():
         return {checkpoint.name: sha256_file(checkpoint)}
@@ -127,17 +110,6 @@ def _hash_files(checkpoint: Path, seal_path: Path) -> dict[str, str]:
         for p in sorted(checkpoint.rglob("*"))
         if p.is_file() and p != seal_path
     }
-
-
-def _files_problem(checkpoint: Path, seal_path: Path, seal: Seal) -> str | None:
-    base = checkpoint.parent if checkpoint.is_file() else checkpoint
-    for rel, digest in seal.files.items():
-        path = base / rel
-        if not path.is_file():
-            return f"{path} is missing"
-        if sha256_file(path) != digest:
-            return f"{path} changed since it was sealed"
-    return None
 
 
 def state_fingerprint(core: GuardCore, seed: int | None = None) -> str:
@@ -169,19 +141,23 @@ def save_sealed(
 ) -> None:
     """Vote, let the framework write `checkpoint` with `save`, then seal it (every rank calls
     this). The framework's step count must be the guard's: a checkpoint of steps the guard did
-    not check would be sealed as checked."""
+    not check would be sealed as checked. `framework` is "hf" or "lightning"."""
     if core.step_count != framework_steps:
         raise GuardError(
-            f"the guard counted {core.step_count} steps, {framework} {framework_steps}: "
-            "was the guard skipped for some steps?"
+            f"the guard counted {core.step_count} steps, {FRAMEWORK_NAMES[framework]} "
+            f"{framework_steps}: was the guard skipped for some steps?"
         )
     vote_before_save(core)
     save()
-    seal_checkpoint(core, checkpoint, seal_path)
+    seal_checkpoint(core, checkpoint, seal_path, framework)
 
 
-def seal_checkpoint(core: GuardCore, checkpoint: Path, seal_path: Path) -> None:
-    """After the framework saved `checkpoint` on every rank: rank 0 seals it (all must call)."""
+FRAMEWORK_NAMES = {"hf": "the Trainer", "lightning": "Lightning"}
+
+
+def seal_checkpoint(core: GuardCore, checkpoint: Path, seal_path: Path, framework: str) -> None:
+    """After the framework saved `checkpoint` on every rank: rank 0 seals it and records its
+    location in the run directory (all must call)."""
     fingerprint = state_fingerprint(core)
     core.comm.barrier(f"seal {checkpoint.name}")  # every rank's files are written
     problem = None
@@ -193,20 +169,14 @@ def seal_checkpoint(core: GuardCore, checkpoint: Path, seal_path: Path) -> None:
                 core.fingerprinter.seed,
                 core.run_id,
                 _hash_files(checkpoint, seal_path),
+                str(checkpoint.absolute()),
             )
-            atomic_write_json(seal_path, seal.as_json(core.restart_count, core.world_size))
-        except (OSError, RecordError) as exc:
+            sealed = seal.as_json(core.restart_count, core.world_size)
+            atomic_write_json(seal_path, sealed)
+            record_location(core.run_dir, sealed, seal_path, framework)
+        except (OSError, RecordError, GuardError) as exc:
             problem = f"could not seal {checkpoint} ({exc})"
     core.comm.share_problem(problem, "sealing the framework's checkpoint")
-
-
-@dataclass(frozen=True)
-class Listed:
-    """One checkpoint the framework wrote: its step, its path and where its seal goes."""
-
-    step: int
-    path: Path
-    seal: Path
 
 
 @dataclass(frozen=True)
@@ -221,96 +191,20 @@ class Chosen:
     point: ResumePoint | None  # rank 0's, for the rollback record; None elsewhere
 
 
-def _run_id(run_dir: RunDir) -> str | None:
-    try:
-        obj = read_json_file(run_dir.identity_file)
-    except RecordError:
-        return None
-    return obj.get("run_id") if isinstance(obj, dict) else None
-
-
-def quarantine(item: Listed, target: Path) -> Path:
-    """Move a checkpoint and its seal into `target`; the checkpoint's new path.
-
-    Never over a file already there: two checkpoint folders may hold the same names (two
-    Lightning ModelCheckpoints' `last.ckpt`), and quarantine never deletes. A clash gets a
-    numbered prefix, the same for the checkpoint and its seal, so they stay a pair.
-    """
-    target.mkdir(parents=True, exist_ok=True)
-    paths = (item.path, item.seal)
-    prefix, n = "", 0
-    while any((target / (prefix + p.name)).exists() for p in paths if p.exists()):
-        n += 1
-        prefix = f"{n}-"
-    for path in paths:
-        if path.exists():  # an HF seal lies inside its folder and has moved with it
-            os.replace(path, target / (prefix + path.name))
-    return target / (prefix + item.path.name)
-
-
-def _plan(
-    run_dir: RunDir,
-    listed: Sequence[Listed],
-    trust_replays: int,
-    quarantine_root: Path,
-    requested: Path | None,
-) -> tuple[Listed | None, ResumePoint]:
-    """Rank 0: the newest trusted checkpoint; everything newer moves to quarantine."""
-    fresh = fresh_start_requested()
-    window = trust_window(run_dir, trust_replays, fresh=fresh)
-    run_id = _run_id(run_dir)
-    chosen: Listed | None = None
-    for item in sorted(listed, key=lambda x: -x.step):
-        if fresh or not window.allows(item.step):
-            continue
-        try:
-            seal = read_seal(item.seal)
-        except RecordError as exc:
-            logger.warning("not resuming from %s: %s", item.path, exc)
-            continue
-        problem = _files_problem(item.path, item.seal, seal)
-        if seal.step != item.step:
-            problem = f"its seal says step {seal.step}"
-        elif seal.run_id != run_id:
-            problem = f"sealed by run {seal.run_id[:16]}, not this run directory's"
-        if problem is None:
-            chosen = item
-            break
-        logger.warning("not resuming from %s: %s", item.path, problem)
-    if requested is not None and (chosen is None or chosen.path.resolve() != requested.resolve()):
-        trusted = chosen.path if chosen is not None else "none (start from step 0)"
-        raise GuardError(
-            f"resume_from_checkpoint={requested} is not the checkpoint slurm-guard trusts "
-            f"({trusted}); pass True (or nothing) to let the guard choose"
-        )
-    step = chosen.step if chosen is not None else -1
-    tag = window.pending_alarms[0] if window.pending_alarms else f"untrusted-{int(time.time())}"
-    if fresh:
-        tag = f"fresh-start-{int(time.time())}"
-    moved = []
-    for item in listed:
-        if item.step > step or fresh:
-            moved.append(quarantine(item, quarantine_root / tag).name)
-    if moved:
-        logger.warning("moved %s to %s", ", ".join(moved), quarantine_root / tag)
-    passes = sorted({s for s in window.verified if s <= step})
-    point = ResumePoint(step, max(passes, default=-1), window.pending_alarms, passes, fresh)
-    return chosen, point
-
-
 def choose_checkpoint(
     run_dir: RunDir,
     list_checkpoints: Callable[[], Sequence[Listed]],
     output_root: Path,
     config: GuardConfig,
-    requested: Path | None = None,
+    requested: Requested | None = None,
 ) -> Chosen:
     """Every rank: the checkpoint the framework may resume from (rank 0 decides, all agree);
     the newer ones move to `<output_root>/slurm-guard-quarantine/`.
 
     Runs before the guard's core exists (the framework loads before it wraps the model), on
     the default process group. Raises GuardError on every rank when the run directory cannot
-    be read or `requested` is not the trusted checkpoint.
+    be read, every allowed checkpoint is unusable, one is another run's, or `requested` is
+    not the trusted checkpoint (`_choice.plan_choice`).
     """
     trust_replays = config.trust_replays
     import torch.distributed as dist
@@ -324,7 +218,7 @@ def choose_checkpoint(
     if comm.rank == 0:
         try:
             quarantine_root = output_root / QUARANTINE_DIR
-            item, point = _plan(
+            item, point = plan_choice(
                 run_dir, list_checkpoints(), trust_replays, quarantine_root, requested
             )
         except (GuardError, OSError) as exc:
@@ -348,6 +242,23 @@ def choose_checkpoint(
         seal,
         point,
     )
+
+
+@contextlib.contextmanager
+def silenced(obj: Any, names: Sequence[str]) -> Iterator[None]:
+    """The methods `names` of `obj` as no-ops meanwhile (instance attributes, put back after):
+    a replay must not log another rank's values, nor start a collective doing so."""
+    saved = {name: obj.__dict__[name] for name in names if name in obj.__dict__}
+    for name in names:
+        setattr(obj, name, lambda *a, **k: None)
+    try:
+        yield
+    finally:
+        for name in names:
+            if name in saved:
+                setattr(obj, name, saved[name])
+            else:
+                del obj.__dict__[name]
 
 
 def broadcast_text(comm: Collective, text: str) -> str:

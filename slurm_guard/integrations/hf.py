@@ -22,8 +22,11 @@ them), and it cannot veto the optimizer step. The subclass changes four methods:
   `on_numerical="skip"`; accelerate then reports the step as skipped, so the LR scheduler does
   not step either), then `guard.after_update()` (the vote, the step count);
 - `_save_checkpoint`: a clean weight vote before the Trainer saves `checkpoint-N`, a seal
-  after it (`_frameworks`); `train()` resumes from the newest checkpoint the guard trusts and
-  moves every newer `checkpoint-N` to `<output_dir>/slurm-guard-quarantine/<alarm id>/`.
+  after it (`_frameworks`), then the `save_total_limit` rotation, which never deletes the
+  checkpoints the trust rule needs; `train()` resumes from the newest checkpoint the guard
+  trusts (or stops, as `Guard.resume()` does, when the allowed ones are all unusable or
+  another run's) and moves every newer `checkpoint-N` to
+  `<output_dir>/slurm-guard-quarantine/<alarm id>/`.
 
 Not covered (refused or unchanged): DeepSpeed, FSDP, SageMaker MP and context parallelism
 (not DDP: the guard's hook needs a DistributedDataParallel model), a single process (nothing
@@ -33,9 +36,10 @@ to compare against), `sync_each_batch` accumulation, LOMO optimizers.
 from __future__ import annotations
 
 import dataclasses
-import functools
+import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +52,19 @@ from slurm_guard.errors import GuardError
 from slurm_guard.integrations._frameworks import (
     Chosen,
     Listed,
+    Requested,
     alarm_exit,
     choose_checkpoint,
     exits_on_alarm,
     finish_resume,
+    held_back,
     require,
     save_sealed,
 )
 from slurm_guard.rundir.layout import RunDir
 
 _Trainer: Any = require("transformers", "hf").Trainer
+logger = logging.getLogger(__name__)
 
 SEAL_NAME = "slurm_guard.json"
 """Written into each sealed `checkpoint-N/` folder, last."""
@@ -119,7 +126,11 @@ class GuardedTrainer(_Trainer):  # type: ignore[misc]
         """
         requested = None
         if not isinstance(resume_from_checkpoint, (bool, type(None))):
-            requested = Path(resume_from_checkpoint)
+            requested = Requested(
+                Path(resume_from_checkpoint),
+                "resume_from_checkpoint",
+                "pass True (or nothing) to let the guard choose",
+            )
         with alarm_exit(self._guard_exit):
             root = Path(self.args.output_dir)
             self._guard_chosen = choose_checkpoint(
@@ -254,11 +265,54 @@ class GuardedTrainer(_Trainer):  # type: ignore[misc]
     # ---------------------------------------------------------------- checkpoints
 
     def _save_checkpoint(self, model: torch.nn.Module, trial: Any) -> None:
-        """Vote, let the Trainer save checkpoint-N, then seal it (every rank calls this)."""
+        """Vote, let the Trainer save checkpoint-N, seal it, then rotate (every rank calls this).
+
+        The Trainer rotates (`save_total_limit`) inside its own save, before the seal, and
+        knows nothing of trust: it would delete the checkpoint a rollback must load. So its
+        rotation is off during the save, and `_guard_rotate` does it after the seal, holding
+        back what the trust rule needs.
+        """
         steps = self.state.global_step
-        folder = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{steps}"
-        save = functools.partial(super()._save_checkpoint, model, trial)
-        save_sealed(self._require_guard(), "the Trainer", steps, save, folder, folder / SEAL_NAME)
+        run_dir = Path(self._get_output_dir(trial=trial))
+        folder = run_dir / f"checkpoint-{steps}"
+        parent_save = super()._save_checkpoint
+        limit = self.args.save_total_limit
+
+        def save() -> None:
+            self.args.save_total_limit = None
+            try:
+                parent_save(model, trial)
+            finally:
+                self.args.save_total_limit = limit
+
+        save_sealed(self._require_guard(), "hf", steps, save, folder, folder / SEAL_NAME)
+        if limit is not None and limit > 0 and self.args.should_save:
+            self._guard_rotate(run_dir, limit)
+
+    def _guard_rotate(self, run_dir: Path, limit: int) -> None:
+        """The Trainer's rotation (oldest first; the newest and the best model stay), where
+        the checkpoints the trust rule needs (`held_back`) stay too and do not count."""
+        try:  # rank 0 alone: an error here would leave the other ranks waiting
+            listed = self._list_checkpoints(run_dir)
+        except OSError as exc:
+            logger.warning(
+                "save_total_limit: nothing rotated, %s cannot be listed (%s)", run_dir, exc
+            )
+            return
+        keep = held_back(self._require_guard(), listed)
+        best = self.state.best_model_checkpoint
+        ordered = [item.path for item in sorted(listed, key=lambda item: item.step)]
+        rotating = [p for p in ordered if p.resolve() not in keep]
+        protected = {ordered[-1].resolve()} if ordered else set()
+        if best is not None:
+            protected.add(Path(best).resolve())
+        excess = len(rotating) - max(limit, len(protected & {p.resolve() for p in rotating}))
+        for path in rotating:
+            if excess <= 0:
+                break
+            if path.resolve() not in protected:
+                shutil.rmtree(path, ignore_errors=True)
+                excess -= 1
 
 
 __all__ = ["SEAL_NAME", "GuardedTrainer"]

@@ -18,7 +18,8 @@ A callback is enough, though with automatic optimization the forward and backwar
   `guard.after_update()`.
 
 Checkpoints: `trainer.save_checkpoint` (ModelCheckpoint and OnExceptionCheckpoint call it) votes
-first and seals the `.ckpt` after (`_frameworks`). Lightning picks the checkpoint to resume from
+first and seals the `.ckpt` after (`_frameworks`); top-k never deletes one the trust rule
+needs (`remove`). Lightning picks the checkpoint to resume from
 before any callback runs, so the callback replaces the path it is handed at the one moment it
 loads (`_CheckpointConnector._restore_modules_and_callbacks`, private, Lightning 2.5-2.6): the
 newest sealed checkpoint the trust rule allows, every newer `.ckpt` moved to quarantine.
@@ -31,11 +32,11 @@ uninterrupted run's. Not covered (refused): manual optimization, several optimiz
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
+import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,16 +49,22 @@ from slurm_guard.errors import GuardError, SilentDataCorruption
 from slurm_guard.integrations._frameworks import (
     Chosen,
     Listed,
+    Requested,
     alarm_exit,
     choose_checkpoint,
     exits_on_alarm,
     finish_resume,
+    held_back,
     require,
     save_sealed,
+    silenced,
 )
 from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import RecordError
+from slurm_guard.rundir.seals import located_checkpoints, read_seal
 
 _pl: Any = require("lightning.pytorch", "lightning")
+logger = logging.getLogger(__name__)
 
 SEAL_SUFFIX = ".slurm-guard.json"
 """Beside each sealed `.ckpt`: `step=6.ckpt` -> `step=6.ckpt.slurm-guard.json`."""
@@ -74,9 +81,6 @@ def seal_path(checkpoint: Path) -> Path:
 
 
 def _seal_step(checkpoint: Path) -> int:
-    from slurm_guard.integrations._frameworks import read_seal
-    from slurm_guard.rundir.records import RecordError
-
     try:
         return read_seal(seal_path(checkpoint)).step
     except RecordError:
@@ -139,6 +143,8 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         self._skipped = False  # the last update was skipped: so is its scheduler step
         self._pending = False  # check() ran, after_update() not yet
         self._restore: list[tuple[Any, str, Any]] = []  # instance attributes to put back
+        self._spared: set[Path] = set()  # .ckpt Lightning's top-k deleted but trust needs
+        self._remove: Any = None
 
     # ---------------------------------------------------------------- set-up and resume
 
@@ -153,6 +159,12 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
             )
         if not pl_module.automatic_optimization:
             raise GuardError("GuardCallback supports automatic optimization only")
+        guards = [c for c in trainer.callbacks if isinstance(c, GuardCallback)]
+        if len(guards) > 1:
+            raise GuardError(
+                f"Trainer(callbacks=...) holds {len(guards)} GuardCallbacks: give it one (each "
+                "would register its own DDP communication hook and check every step again)"
+            )
         connector = trainer._checkpoint_connector
         original = connector._restore_modules_and_callbacks
 
@@ -167,11 +179,19 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         remover = trainer.strategy.remove_checkpoint
 
         def remove(filepath: Any) -> None:
-            """ModelCheckpoint's top-k deletes a `.ckpt` (rank 0): its seal goes with it."""
+            """ModelCheckpoint's top-k deletes a `.ckpt` (rank 0): its seal goes with it, and
+            one the trust rule needs stays (`_frameworks.held_back`) until it is not needed."""
+            if trainer.is_global_zero and self.guard is not None:
+                path = Path(filepath).resolve()
+                keep = self._held_back()
+                if keep is None or path in keep:
+                    self._spared.add(path)
+                    return
             remover(filepath)
             if trainer.is_global_zero:
                 seal_path(Path(filepath)).unlink(missing_ok=True)
 
+        self._remove = remove
         self._patch(trainer.strategy, "remove_checkpoint", remove)
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
@@ -190,29 +210,41 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         """Every rank: the checkpoint to load instead of the one Lightning selected."""
         requested = None
         if selected and not Path(selected).name.startswith(_AUTO_PREFIXES):
-            requested = Path(selected)  # the user's own path: it must be the trusted one
+            # the user's own path: it must be the trusted one
+            requested = Requested(
+                Path(selected),
+                "ckpt_path",
+                "call trainer.fit without ckpt_path (or with ckpt_path='last') to let the "
+                "guard choose",
+            )
         root = Path(trainer.default_root_dir)
         return choose_checkpoint(
             self.run_dir,
-            lambda: self._list_checkpoints(trainer),
+            lambda: self._list_checkpoints(trainer, self.run_dir),
             root,
             self.guard_config,
             requested,
         )
 
     @staticmethod
-    def _list_checkpoints(trainer: Any) -> list[Listed]:
-        """Every `.ckpt` in the checkpoint callbacks' folders and default_root_dir (SLURM's)."""
+    def _list_checkpoints(trainer: Any, run_dir: RunDir) -> list[Listed]:
+        """Every `.ckpt` in the checkpoint callbacks' folders and default_root_dir (SLURM's),
+        and every sealed one the run directory records (`rundir.seals`): a rerun's default
+        logger writes to `version_1/`, the sealed ones lie in `version_0/`."""
         folders = {Path(trainer.default_root_dir)}
         for callback in trainer.checkpoint_callbacks:
             if getattr(callback, "dirpath", None):
                 folders.add(Path(callback.dirpath))
-        found = []
+        found = {}
         for folder in sorted(folders):
             if folder.is_dir():
                 for path in sorted(folder.glob("*.ckpt")):
-                    found.append(Listed(_seal_step(path), path, seal_path(path)))
-        return found
+                    found[path.resolve()] = Listed(_seal_step(path), path, seal_path(path))
+        for item in located_checkpoints(run_dir):
+            where = item.path.resolve()
+            if item.framework == "lightning" and where not in found and item.path.is_file():
+                found[where] = Listed(item.step, item.path, item.seal_path)
+        return list(found.values())
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """The state is loaded (weights and optimizer): make the core, check the resume."""
@@ -260,7 +292,7 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         """
         trainer = self._trainer
         pl_module = trainer.lightning_module
-        with _silenced(pl_module):
+        with silenced(pl_module, ("log", "log_dict")):
             if isinstance(module, DistributedDataParallel):
                 output = trainer.strategy.training_step(micro["batch"], micro["batch_idx"])
             else:
@@ -361,24 +393,27 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
             return
         steps = self._trainer.global_step
         write = functools.partial(save, filepath, weights_only, storage_options)
-        save_sealed(guard, "Lightning", steps, write, path, seal_path(path))
+        save_sealed(guard, "lightning", steps, write, path, seal_path(path))
+        self._release_spared()
 
+    def _held_back(self) -> set[Path] | None:
+        """Rank 0 (no collectives): what top-k must not delete; None (keep every `.ckpt`)
+        when that cannot be read, as a deleted checkpoint the trust rule needs is lost."""
+        assert self.guard is not None
+        try:
+            return held_back(self.guard, self._list_checkpoints(self._trainer, self.run_dir))
+        except (GuardError, OSError) as exc:
+            logger.warning("top-k deletes no .ckpt now: %s", exc)
+            return None
 
-@contextlib.contextmanager
-def _silenced(pl_module: Any) -> Iterator[None]:
-    """`self.log` and `self.log_dict` as no-ops on this module (instance attributes)."""
-    names = ("log", "log_dict")
-    saved = {name: pl_module.__dict__[name] for name in names if name in pl_module.__dict__}
-    for name in names:
-        setattr(pl_module, name, lambda *a, **k: None)
-    try:
-        yield
-    finally:
-        for name in names:
-            if name in saved:
-                setattr(pl_module, name, saved[name])
-            else:
-                del pl_module.__dict__[name]
+    def _release_spared(self) -> None:
+        """Rank 0: delete the `.ckpt` held back from top-k that the trust rule needs no more."""
+        if not self._spared or not self._trainer.is_global_zero or self.guard is None:
+            return
+        keep = self._held_back()
+        for path in sorted(self._spared - (keep if keep is not None else self._spared)):
+            self._spared.discard(path)
+            self._remove(str(path))
 
 
 __all__ = ["SEAL_SUFFIX", "GuardCallback"]

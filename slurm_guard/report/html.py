@@ -210,13 +210,15 @@ def _checkpoints_section(t: Timeline) -> str:
     trusted = {a.trusted_checkpoint for a in t.alarms if a.trusted_checkpoint}
     rows = []
     for c in t.checkpoints:
-        name = f"step-{c.step:08d}"
+        name = c.location or f"step-{c.step:08d}"
         if c.quarantined_by:
             status = f"moved aside after alarm {c.quarantined_by}"
         elif name in trusted:
             status = "trusted (rollback target)"
         else:
             status = "clean vote" if c.clean_vote else "no clean vote"
+        if c.location:
+            status += f" ({c.location})"
         rows.append([_e(c.step), _e(c.restart_count), _e(status), _e(_when(c.created))])
     if not rows:
         return '<h2>Checkpoints</h2><p id="checkpoints">None saved.</p>'

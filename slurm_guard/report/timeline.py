@@ -24,7 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slurm_guard.errors import GuardError
+from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import Alarm, RecordError, read_alarm, read_json_file, read_ledger
+from slurm_guard.rundir.seals import located_checkpoints
 
 CHECKPOINT_PREFIX = "step-"
 EVENTS_FILE = "train-events.jsonl"  # written by slurm_guard.examples.train; optional
@@ -53,6 +56,7 @@ class Checkpoint:
     clean_vote: bool
     created: float | None
     quarantined_by: str | None = None  # the alarm whose rollback moved it aside
+    location: str | None = None  # a framework's checkpoint (HF, Lightning): where it lives
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,18 @@ def _checkpoint(meta_path: Path, quarantined_by: str | None) -> Checkpoint | Non
     )
 
 
+def _framework_checkpoints(run_dir: Path, problems: list[str]) -> list[Checkpoint]:
+    """The sealed HF / Lightning checkpoints the run directory records (`rundir.seals`)."""
+    try:
+        located = located_checkpoints(RunDir(run_dir))
+    except GuardError as exc:
+        problems.append(str(exc))
+        return []
+    return [
+        Checkpoint(c.step, c.restart_count, True, c.created, location=str(c.path)) for c in located
+    ]
+
+
 def _checkpoints_in(
     directory: Path, quarantined_by: str | None, problems: list[str]
 ) -> list[Checkpoint]:
@@ -255,6 +271,7 @@ def read_timeline(run_dir: Path) -> Timeline:
         for sub in sorted(quarantine.iterdir()):
             if sub.is_dir():
                 t.checkpoints += _checkpoints_in(sub, sub.name, problems)
+    t.checkpoints += _framework_checkpoints(run_dir, problems)
     t.checkpoints.sort(key=lambda c: (c.step, c.created or 0.0))
     for ev in _read_events(run_dir / EVENTS_FILE, problems):
         step = _int(ev.get("step"))

@@ -23,6 +23,7 @@ from slurm_guard.faults.injection import Fault
 from slurm_guard.protocol import Check, Verdict
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import Alarm, LedgerEntry, append_ledger, make_alarm_id
+from slurm_guard.rundir.seals import newest_located, run_id_of
 from slurm_guard.rundir.trust import newest_clean, trust_limit
 
 logger = logging.getLogger(__name__)
@@ -168,7 +169,13 @@ class AlarmWriter:
         )
 
     def trusted_for(self, last_verified: int | None, verified_steps: list[int]) -> str | None:
-        """The checkpoint a rollback would pick as of now, so the alarm can name it to people."""
+        """The checkpoint a rollback would pick as of now, so the alarm can name it to people:
+        the guard's own (`step-N`) or a framework's (its absolute path, `rundir.seals`)."""
         limit = trust_limit(last_verified, verified_steps, self.trust_replays)
-        best = None if limit is None else newest_clean(self.run_dir.checkpoints(), limit)
+        if limit is None:
+            return None
+        best = newest_clean(self.run_dir.checkpoints(), limit)
+        framework = newest_located(self.run_dir, limit, run_id_of(self.run_dir))
+        if framework is not None and (best is None or framework.step > best.step):
+            return str(framework.path)
         return None if best is None else self.run_dir.checkpoint_path(best.step).name

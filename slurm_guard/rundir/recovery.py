@@ -35,6 +35,8 @@ class ResumePoint:
     pending_alarms: list[str] = field(default_factory=list)  # rolled back by this resume
     verified_steps: list[int] = field(default_factory=list)  # passing replays up to `step`
     fresh: bool = False  # a requested fresh start: every checkpoint moves to quarantine/
+    # framework checkpoints (HF, Lightning) the integration already moved aside, where they are
+    quarantined: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -192,7 +194,7 @@ def finish_rollback(
             {
                 "alarm_id": alarm_id,
                 "resumed_from_step": max(point.step, 0),
-                "quarantined": moved,
+                "quarantined": moved + point.quarantined,
                 "restart_count": restart_count,
                 "time": time.time(),
             },
