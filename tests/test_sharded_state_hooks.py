@@ -8,6 +8,7 @@ Real FSDP2 on gloo, real DCP files; torchtitan's own Llama3 where torchtitan is 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,11 @@ def test_a_model_whose_hooks_rename_keys_saves_and_resumes_bit_identical(tmp_pat
 
 @pytest.mark.distributed
 def test_torchtitan_llama3_with_fused_qkv_saves_and_resumes_bit_identical(tmp_path: Path) -> None:
-    pytest.importorskip(
-        "torchtitan.models.llama3",
-        reason="torchtitan 0.3.0 is not installed (it needs spmd_types, tyro and triton)",
-    )
+    try:
+        import torchtitan.models.llama3  # noqa: F401
+    except ImportError as exc:
+        # CI installs it (.ci/run) and sets the variable: there a missing torchtitan fails
+        if os.environ.get("SLURM_GUARD_REQUIRE_TORCHTITAN") == "1":
+            raise
+        pytest.skip(f"torchtitan 0.3.0 is not installed (it needs spmd_types, tyro, triton): {exc}")
     _save_then_resume(train_titan, tmp_path, 4, 2)
