@@ -22,9 +22,11 @@ __all__ = [
     "OLDEST_TORCH",
     "TESTED_TORCH",
     "UnsupportedTorch",
+    "UnsupportedVersion",
     "missing_methods",
     "require_api",
     "torch_version",
+    "unsupported_release",
     "unsupported_torch",
 ]
 
@@ -35,7 +37,11 @@ OLDEST_TORCH = (2, 13)
 """pyproject.toml's floor: the oldest release CI tests."""
 
 
-class UnsupportedTorch(GuardError):
+class UnsupportedVersion(GuardError):
+    """An installed package lacks (or changed) an API the guard needs, named with its version."""
+
+
+class UnsupportedTorch(UnsupportedVersion):
     """This torch lacks (or changed) an API the guard needs: upgrade torch or pick another path."""
 
 
@@ -55,6 +61,16 @@ def unsupported_torch(feature: str, api: str, *, found: str | None = None) -> Un
     return UnsupportedTorch(
         f"{feature} needs {api}, which torch {version} does not have (slurm-guard is tested on "
         f"torch {tested}); install one of those releases"
+    )
+
+
+def unsupported_release(
+    package: str, version: str, tested: str, feature: str, api: str
+) -> UnsupportedVersion:
+    """The error for `feature` on a release of `package` (not torch) that moved `api`."""
+    return UnsupportedVersion(
+        f"{feature} needs {api}, which {package} {version} does not have or has changed "
+        f"(slurm-guard is tested with {package} {tested}); install a tested release"
     )
 
 

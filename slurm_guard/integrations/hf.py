@@ -61,6 +61,7 @@ from slurm_guard.integrations._frameworks import (
     require,
     save_sealed,
 )
+from slurm_guard.integrations._versions import check_skip_flag
 from slurm_guard.rundir.layout import RunDir
 
 _Trainer: Any = require("transformers", "hf").Trainer
@@ -245,6 +246,7 @@ class GuardedTrainer(_Trainer):  # type: ignore[misc]
         optimizer = self.optimizer
         if getattr(optimizer, "_slurm_guard_veto", False):
             return
+        check_skip_flag(optimizer)  # accelerate's private skip flag still works
         original = optimizer.step
 
         def step(*args: Any, **kwargs: Any) -> Any:

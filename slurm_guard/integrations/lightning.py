@@ -59,6 +59,7 @@ from slurm_guard.integrations._frameworks import (
     save_sealed,
     silenced,
 )
+from slurm_guard.integrations._versions import restore_hook
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import RecordError
 from slurm_guard.rundir.seals import located_checkpoints, read_seal
@@ -165,8 +166,7 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
                 f"Trainer(callbacks=...) holds {len(guards)} GuardCallbacks: give it one (each "
                 "would register its own DDP communication hook and check every step again)"
             )
-        connector = trainer._checkpoint_connector
-        original = connector._restore_modules_and_callbacks
+        connector, original = restore_hook(trainer)
 
         def restore(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
             self.chosen = self._choose(trainer, checkpoint_path)
@@ -339,7 +339,8 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         def guarded_schedule(*args: Any, **kwargs: Any) -> Any:
             return None if self._skipped else schedule(*args, **kwargs)
 
-        # torch's LR schedulers warn about a step() replaced after them unless it says so
+        # torch's LR schedulers warn about a step() replaced after them unless it says so (a
+        # private marker, torch 2.13-2.14): should it move, only that warning comes back
         guarded_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
         self._patch(optimizer, "step", guarded_step)
         self._patch(pl_module, "lr_scheduler_step", guarded_schedule)
