@@ -101,6 +101,10 @@ def train_fsdp(run_dir: str, steps: int) -> dict[str, Any]:
     return train(run_dir, steps, hsdp=False)
 
 
+def train_with_snapshots(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, hsdp=False, config={"snapshots": True})
+
+
 def train_three_groups(run_dir: str, steps: int) -> dict[str, Any]:
     return train(run_dir, steps, replicas=3)
 

@@ -60,6 +60,7 @@ class NodeSnapshots(Protocol):
     copier: SnapshotCopier
     target: SnapshotLoad | None
     restored_from_peers: list[int]
+    resumed_from: int | None
 
 
 def resume_from_snapshots(
@@ -102,6 +103,7 @@ def resume_from_snapshots(
                 exc.cause,
             )
         return -1
+    node.resumed_from = chosen
     if node.rank == 0:
         others = f" ({len(choice.keepers)} ranks from other nodes)" if choice.keepers else ""
         logger.info("resumed from the node-local snapshots of step %d%s", chosen, others)

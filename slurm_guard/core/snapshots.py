@@ -67,6 +67,7 @@ class NodeSnapshots:
         self.copier = SnapshotCopier(self.store, device)
         self.target: SnapshotLoad | None = None  # what a resume restores into (the core's)
         self.restored_from_peers: list[int] = []  # ranks that sent this rank its snapshot
+        self.resumed_from: int | None = None  # the snapshot step the last resume loaded
 
     def take(
         self,

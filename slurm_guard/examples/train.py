@@ -88,6 +88,8 @@ class TrainSettings:
     inject: str = ""
     threads: int = 1
     sharded: bool = False  # the tiny Llama under HSDP and ShardedGuard (examples.train_sharded)
+    trust_replays: int = 2
+    snapshots: bool = False  # GuardConfig(snapshots=True): node-local verified snapshots
 
     def __post_init__(self) -> None:
         if self.model not in MODELS:
@@ -230,7 +232,11 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
         parse_faults(resolve_inject(settings.inject, run_dir, device)) if settings.inject else ()
     )
     config = GuardConfig(
-        replay_every=settings.replay_every, vote_every=settings.vote_every, faults=faults
+        replay_every=settings.replay_every,
+        vote_every=settings.vote_every,
+        faults=faults,
+        trust_replays=settings.trust_replays,
+        snapshots=settings.snapshots,
     )
     guard: Guard | ShardedGuard
     batch_of: Callable[[int, int], Any]
@@ -263,6 +269,10 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
     start = guard.resume()
     rank = dist.get_rank()
     nodes = [r.node for r in guard.topology.ranks]
+    snapshots = getattr(guard, "snapshots", None)
+    if snapshots is not None and snapshots.restored_from_peers:  # tests show where it came from
+        event = {"event": "state_from_peers", "rank": rank, "node": nodes[rank]}
+        _append_event(run_dir, {**event, "from": snapshots.restored_from_peers, "step": start})
     if rank == 0:
         _append_event(
             run_dir,
@@ -273,6 +283,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
                 "job_id": guard.job_id,
                 "nodes": nodes,
                 "faults": [f.describe() for f in faults],
+                "from_snapshot": snapshots is not None and snapshots.resumed_from is not None,
             },
         )
     loss = float("nan")
@@ -366,6 +377,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
     parser.add_argument("--model", choices=sorted(MODELS), default=defaults.model)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--trust-replays", type=int, default=defaults.trust_replays)
+    parser.add_argument("--snapshots", action="store_true", help="GuardConfig(snapshots=True)")
     parser.add_argument(
         "--sharded",
         action="store_true",

@@ -89,6 +89,11 @@ class ShardedGuard(GuardBase, StepCalls):
                 "ShardedGuard compares replays exactly: GuardConfig(deterministic=False) is not "
                 "supported under FSDP yet (docs/integrations/fsdp.md)"
             )
+        if self.config.snapshots:
+            raise GuardError(
+                "ShardedGuard keeps no snapshots yet: GuardConfig(snapshots=True) works with "
+                "sg.Guard (DDP) only (docs/snapshots.md); leave it False here"
+            )
         self.run_dir = RunDir(run_dir)
         self.model = model
         self.optimizer = optimizer
