@@ -33,8 +33,10 @@ FAULT = "kind=grad-scale,node=node2,step=17,persistent=1,param=10"
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
 
-def submit(run_dir: Path, state: Path, inject: str = "", spares: int = 1) -> str:
-    args = ["--run-dir", str(run_dir), "--steps", str(STEPS)]
+def submit(
+    run_dir: Path, state: Path, inject: str = "", spares: int = 1, extra: tuple[str, ...] = ()
+) -> str:
+    args = ["--run-dir", str(run_dir), "--steps", str(STEPS), *extra]
     if inject:
         args += ["--inject", inject]
     result = CliRunner().invoke(
@@ -143,6 +145,43 @@ def test_fault_on_node2_restarts_on_the_spare_without_a_requeue(
     assert row["left"] == ["node2"] and row["joined"] == ["node4"] and row["resume_step"] == 10
     text = CliRunner().invoke(main, ["status", str(run_dir), "--state-dir", str(state)]).output
     assert "IN-JOB RESTART" in text and "node4" in text and "step 10 (checkpoint)" in text, text
+
+
+def test_with_snapshots_the_restart_on_the_spare_resumes_from_node_memory(
+    idle_slurm_cluster: LocalCluster,
+    clean_weights: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 32's drill: a fault on node2 from step 12, votes every 5 steps, no checkpoint
+    before step 30. The restart on the spare resumes from the snapshot of step 10 in the
+    nodes' memory (one directory per node: they share this machine's /dev/shm); the spare
+    (node4) gets its rank's state from the other nodes; the weights end bit-identical."""
+    monkeypatch.setenv("SLURM_GUARD_SNAPSHOT_DIR", str(tmp_path / "shm" / "{node}"))
+    client = CommandSlurmClient(env=idle_slurm_cluster.env())
+    run_dir, state = tmp_path / "run", tmp_path / "state"
+    fault = FAULT.replace("step=17", "step=12")
+    extra = ("--snapshots", "--checkpoint-every", "50", "--trust-replays", "1")
+    job = submit(run_dir, state, fault, extra=extra)
+    info = wait_ended(client, job, run_dir, 300)
+    assert info.state == "COMPLETED", logs(run_dir)
+    assert job_fields(client, job)["Restarts"] == "0"
+    assert (client.node("node2").reason or "").startswith(REASON_PREFIX)
+    result = read_result(run_dir)
+    assert result is not None and result["final_step"] == STEPS, logs(run_dir)
+    assert result["resumed_from"] == 10 and sorted(result["nodes"]) == ["node1", "node3", "node4"]
+    assert result["weight_sha256"] == clean_weights
+    events = read_events(run_dir)
+    alarm = next(e for e in events if e["event"] == "alarm")
+    starts = [e for e in events if e["event"] == "start"]
+    assert starts[-1]["step"] == 10 and starts[-1]["from_snapshot"] is True
+    assert not list(run_dir.glob("checkpoints/step-*0000010")), "10 came from no checkpoint"
+    from_peers = [e for e in events if e["event"] == "state_from_peers"]
+    assert [e["node"] for e in from_peers] == ["node4"], from_peers
+    print(f"\nsteps lost to the alarm: {alarm['step'] - result['resumed_from']} (vote_every 5)")
+    print(
+        f"alarm record -> first completed step after the restart: {restart_seconds(run_dir):.1f} s"
+    )
 
 
 def test_second_fault_after_the_spare_takes_the_requeue_path(
