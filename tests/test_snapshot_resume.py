@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from framework_results import status_json
 from workers import run_scenarios
 
 import slurm_guard as sg
@@ -64,6 +65,9 @@ def test_a_restart_resumes_from_the_newest_allowed_snapshot_and_never_from_a_wro
     for index in (1, 2, 3, 4):
         alarm = first[0].value[index]["alarm"]
         assert alarm["step"] == 20 and alarm["last_verified_step"] == 15
+    # what an operator sees before the restart: the snapshot next to the trusted checkpoint
+    view = status_json(tmp_path / "snapshot", tmp_path / "state")
+    assert view["trusted_checkpoint"] == 10 and view["snapshot_in_memory"] == 15
     job = next((tmp_path / "shm-damaged" / "n1").iterdir())  # run-<run id>: no Slurm job here
     # snapshots after the votes of steps 15 and 20 are kept; 20 holds the fault's update
     assert sorted(p.name for p in (job / "rank-1").iterdir()) == ["step-00000015", "step-00000020"]
@@ -101,6 +105,7 @@ def test_a_restart_resumes_from_the_newest_allowed_snapshot_and_never_from_a_wro
         for index in (snapshot, damaged, forged, spare):
             resumed = second[rank].value[index]["final"]
             assert _same(clean[rank], resumed), f"rank {rank}, run {index}: not bit-identical"
+    assert status_json(tmp_path / "snapshot", tmp_path / "state")["snapshot_in_memory"] == 30
     # the snapshot of step 20 came from the rolled-back past: gone, and replaced by the rerun
     job = next((tmp_path / "shm-snapshot" / "n1").iterdir())
     assert sorted(p.name for p in (job / "rank-0").iterdir()) == ["step-00000025", "step-00000030"]

@@ -52,6 +52,12 @@ def _print_status(view: dict[str, Any]) -> None:
             "none (a restart starts from step 0)" if trusted is None else f"step {trusted}",
             f"  (resume rule, trust_replays={view.get('trust_replays')})",
         )
+    if view.get("snapshot_in_memory") is not None:
+        field(
+            "snapshot in memory",
+            f"step {view['snapshot_in_memory']}",
+            "  (a restart loads it if the nodes still hold it; else the trusted checkpoint)",
+        )
     for r in view.get("resumes", []):
         field(
             "resumed",

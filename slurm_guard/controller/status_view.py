@@ -16,7 +16,7 @@ from slurm_guard.controller.views import (
     resolve_target,
 )
 from slurm_guard.rundir.layout import RunDir, RunDirError
-from slurm_guard.rundir.records import Alarm, LedgerEntry, read_ledger
+from slurm_guard.rundir.records import Alarm, LedgerEntry, RecordError, read_json_file, read_ledger
 from slurm_guard.rundir.seals import located_checkpoints, run_id_of
 from slurm_guard.rundir.trust import trust_limit
 from slurm_guard.slurm.client import SlurmClient
@@ -115,7 +115,23 @@ def resume_preview(rd: RunDir, trust_replays: int) -> dict[str, Any]:
         "damaged_checkpoints": {str(s): p for s, p in sorted(scan.damaged.items())},
         "latest_checkpoint": max((m.step for m in scan.metas), default=None),
     }
+    preview["snapshot"] = _snapshot_in_memory(rd, None if nothing else bound, bool(nothing))
     return _with_framework_checkpoints(rd, preview, None if nothing else bound, bool(nothing))
+
+
+def _snapshot_in_memory(rd: RunDir, bound: int | None, nothing: bool) -> int | None:
+    """The newest snapshot step rank 0 noted (`snapshots.json`) that the bound allows.
+
+    Only what rank 0's node sealed: a restart uses it if every node still holds it (or can be
+    given it), and otherwise the trusted checkpoint. The controller never sees node memory.
+    """
+    try:
+        record = read_json_file(rd.snapshot_index)
+        steps = [int(s) for s in record.get("steps", [])]
+    except (RecordError, TypeError, ValueError, AttributeError):
+        return None
+    allowed = [s for s in steps if not nothing and (bound is None or s <= bound)]
+    return max(allowed, default=None)
 
 
 def _with_framework_checkpoints(
@@ -202,6 +218,13 @@ def _run_part(
     view["resume_blocked"] = preview["blocked"]
     view["damaged_checkpoints"] = preview.get("damaged_checkpoints", {})
     view["latest_checkpoint"] = preview.get("latest_checkpoint")
+    snapshot = preview.get("snapshot")
+    checkpoint = preview["trusted_checkpoint"]
+    view["snapshot_in_memory"] = (
+        snapshot
+        if snapshot is not None and (checkpoint is None or snapshot >= checkpoint)
+        else None
+    )
     try:
         handled = rd.handled_ids()
     except RunDirError:

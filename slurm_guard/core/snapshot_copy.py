@@ -64,6 +64,7 @@ class SnapshotCopier:
         self.stats = CopyStats()
         self.last_error: str | None = None
         self.last_seal: SnapshotSeal | None = None
+        self.on_written: Callable[[SnapshotSeal], None] | None = None  # on the writer thread
         self._thread: threading.Thread | None = None
         self._buffers: dict[str, torch.Tensor] = {}  # pinned host buffers, by state path
         self._stream: Any = None
@@ -129,6 +130,8 @@ class SnapshotCopier:
             fields = {k: v() if callable(v) else v for k, v in seal.items()}
             self.last_seal = self.store.write(host, **fields)
             self.stats.written += 1
+            if self.on_written is not None:
+                self.on_written(self.last_seal)
             self.stats.seconds_written.append(time.perf_counter() - began)
         except Exception as exc:  # a cache that failed: logged, never the run's failure
             self.stats.failed += 1

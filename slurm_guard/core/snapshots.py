@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -33,7 +34,9 @@ from slurm_guard.core.snapshot_copy import SnapshotCopier
 from slurm_guard.core.snapshot_resume import SnapshotLoad, resume_from_snapshots
 from slurm_guard.fingerprint.tree import Fingerprinter, as_hex
 from slurm_guard.rundir.checkpoint import rng_state
-from slurm_guard.rundir.snapshots import SnapshotStore, ranks_on_node, snapshot_root
+from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
+from slurm_guard.rundir.snapshots import SnapshotSeal, SnapshotStore, ranks_on_node, snapshot_root
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,27 @@ class NodeSnapshots:
         self.target: SnapshotLoad | None = None  # what a resume restores into (the core's)
         self.restored_from_peers: list[int] = []  # ranks that sent this rank its snapshot
         self.resumed_from: int | None = None  # the snapshot step the last resume loaded
+        self._index: Path | None = None  # rank 0's note in the run directory (`record_in`)
+
+    def record_in(self, index: Path) -> None:
+        """Rank 0: after each sealed snapshot, note its step in the run directory for `status`.
+
+        Only a note: what a restart loads is decided from the nodes' memory, never from it.
+        """
+        steps: list[int] = []
+        self._index = index
+
+        def note(seal: SnapshotSeal) -> None:
+            steps[:] = sorted({*steps, seal.step})[-KEPT:]
+            record = {"schema": 1, "steps": steps, "written": time.time(), "job": self.store.job_id}
+            try:
+                atomic_write_json(index, record)
+            except OSError as exc:
+                logger.warning(
+                    "could not note the snapshot of step %d in %s: %s", seal.step, index, exc
+                )
+
+        self.copier.on_written = note
 
     def take(
         self,
@@ -137,12 +161,20 @@ class NodeSnapshots:
             for unusable in store.seals()[1]:
                 if unusable > step:
                     shutil.rmtree(store.path(unusable), ignore_errors=True)
+        if self._index is not None and self._index.exists():
+            try:
+                record = read_json_file(self._index)
+                record["steps"] = [s for s in record.get("steps", []) if s <= step]
+                atomic_write_json(self._index, record)
+            except (RecordError, OSError, TypeError, AttributeError) as exc:
+                logger.warning("could not update %s: %s", self._index, exc)
 
 
 class Guarded(Protocol):
     """What the snapshots need of the guard's core (`core.session.GuardCore`)."""
 
     config: GuardConfig
+    run_dir: RunDir
     comm: Collective
     topology: Topology
     rank: int
@@ -184,6 +216,8 @@ def attach(core: Guarded) -> NodeSnapshots:
         if saved is not None:
             stateful.restore(saved, core.stateful, core.scaler)
 
+    if core.rank == 0:
+        snapshots.record_in(core.run_dir.snapshot_index)
     snapshots.target = SnapshotLoad(
         core.module, core.optimizer, core.fingerprinter, core.state_tensors, restore_stateful
     )

@@ -139,6 +139,11 @@ class RunDir:
         return self.root / "ledger.jsonl"
 
     @property
+    def snapshot_index(self) -> Path:
+        """Rank 0's record of the snapshots its node sealed (status reads it; nothing loads it)."""
+        return self.root / "snapshots.json"
+
+    @property
     def alarms_dir(self) -> Path:
         return self.root / "alarms"
 
