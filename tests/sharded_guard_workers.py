@@ -97,6 +97,17 @@ def train_fsdp_abft(run_dir: str, steps: int) -> dict[str, Any]:
     return train(run_dir, steps, hsdp=False, config={"abft": True})
 
 
+TRUST_ON_ABFT = {"abft": True, "trust_replays": 1}
+
+
+def train_fsdp_abft_saving(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, hsdp=False, config=TRUST_ON_ABFT, save_at=(2, 4, 6))
+
+
+def train_fsdp_abft_resumed(run_dir: str, steps: int) -> dict[str, Any]:
+    return train(run_dir, steps, hsdp=False, config=TRUST_ON_ABFT, resume=True, init_seed=99)
+
+
 def train_fsdp(run_dir: str, steps: int) -> dict[str, Any]:
     return train(run_dir, steps, hsdp=False)
 

@@ -14,6 +14,8 @@ from sharded_guard_workers import (
     train,
     train_fsdp,
     train_fsdp_abft,
+    train_fsdp_abft_resumed,
+    train_fsdp_abft_saving,
     train_resumed,
     train_saving,
     train_three_groups,
@@ -200,6 +202,26 @@ def test_fsdp_without_replicas_catches_a_one_off_gemm_fault_with_abft(tmp_path: 
     alarm = _alarms(outcomes)[0]
     assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("abft", "sdc", 2)
     assert alarm["suspect_ranks"] == [1] and alarm["suspect_nodes"] == ["n1"]
+
+
+@pytest.mark.distributed
+def test_fsdp_without_replicas_resumes_from_a_step_its_checked_gemms_passed(
+    tmp_path: Path,
+) -> None:
+    """No replica, so no replay: with abft=True the steps whose checks all passed count toward
+    trust at the replay cadence (2), and a persistent GEMM fault from step 5 rolls back to the
+    checkpoint of step 4, not to step 0."""
+    inject = {"SLURM_GUARD_INJECT": "kind=gemm,rank=1,step=5,layer=3,pass=grad_w,persistent=1"}
+    first = run_local(
+        train_fsdp_abft_saving, 4, args=(str(tmp_path), 8), nodes=NODES, extra_env=inject
+    )
+    alarm = _alarms(first)[0]
+    assert (alarm["check"], alarm["step"], alarm["last_verified_step"]) == ("abft", 5, 4)
+    ledger = [json.loads(line) for line in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    points = [e["step"] for e in ledger if "trust_point" in e["detail"]]
+    assert points == [0, 2, 4]
+    resumed = _ok(run_local(train_fsdp_abft_resumed, 4, args=(str(tmp_path), 8), nodes=NODES))
+    assert [r["start"] for r in resumed] == [4] * 4
 
 
 # ------------------------------------------------------------------ 3 replica groups (3x2)

@@ -18,7 +18,7 @@ from slurm_guard.controller.views import (
 from slurm_guard.rundir.layout import RunDir, RunDirError
 from slurm_guard.rundir.records import Alarm, LedgerEntry, RecordError, read_json_file, read_ledger
 from slurm_guard.rundir.seals import located_checkpoints, run_id_of
-from slurm_guard.rundir.trust import trust_limit
+from slurm_guard.rundir.trust import counts_for_trust, trust_limit
 from slurm_guard.slurm.client import SlurmClient
 
 DEFAULT_TRUST_REPLAYS = 2
@@ -91,7 +91,7 @@ def resume_preview(rd: RunDir, trust_replays: int) -> dict[str, Any]:
             "limiting_alarm": name,
         }
     pending = [a for a in alarms if a.alarm_id not in handled and a.verdict != "numerical"]
-    verified = [e.step for e in read_ledger(rd.ledger) if e.check == "replay" and e.passed]
+    verified = [e.step for e in read_ledger(rd.ledger) if counts_for_trust(e)]
     limits: list[tuple[int | None, str]] = [
         (trust_limit(a.last_verified_step, verified, trust_replays), a.alarm_id) for a in pending
     ] + [(a.trust_upto, a.alarm_id) for a in lost]

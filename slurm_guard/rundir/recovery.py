@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from slurm_guard.rundir import checkpoint as ckpt
 from slurm_guard.rundir.layout import OVERRIDE_HINT, RunDir, RunDirError
 from slurm_guard.rundir.records import read_ledger
-from slurm_guard.rundir.trust import CheckpointMeta, trust_limit
+from slurm_guard.rundir.trust import CheckpointMeta, counts_for_trust, trust_limit
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def trust_window(run_dir: RunDir, trust_replays: int = 1, *, fresh: bool = False
             "loaded, so the guard will not guess: move the file out of alarms/ if it is not a "
             f"real alarm. {OVERRIDE_HINT}"
         )
-    verified = [e.step for e in read_ledger(run_dir.ledger) if e.check == "replay" and e.passed]
+    verified = [e.step for e in read_ledger(run_dir.ledger) if counts_for_trust(e)]
     ids = [a.alarm_id for a in pending] + [a.alarm_id for a in lost] + sorted(unreadable)
     # A numerical verdict stopped before its update: the weights are fine, nothing to undo.
     limits = [

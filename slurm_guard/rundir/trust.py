@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slurm_guard.protocol import CHECKPOINT_SCHEMA
-from slurm_guard.rundir.records import Alarm, RecordError
+from slurm_guard.rundir.records import Alarm, LedgerEntry, RecordError
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,23 @@ def _shard_fingerprints(value: Any, source: str) -> list[str] | None:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise RecordError(f"{source}: 'shard_fingerprints' must be a list of strings")
     return list(value)
+
+
+TRUST_POINT = "trust_point"
+"""Ledger detail key of a step that counts toward trust without a replay (pure FSDP2 + ABFT)."""
+
+
+def counts_for_trust(entry: LedgerEntry) -> bool:
+    """Whether a ledger entry is a verification a checkpoint's trust can rest on.
+
+    A passing replay; or, where no replica exists to replay against (pure FSDP2 with
+    `abft=True`), a step whose checked GEMMs, conservation and finite checks all passed, which
+    ShardedGuard records with `TRUST_POINT` in its detail (docs/integrations/fsdp.md says what
+    that covers and what it does not).
+    """
+    if not entry.passed:
+        return False
+    return entry.check == "replay" or (entry.check == "abft" and TRUST_POINT in entry.detail)
 
 
 def trust_limit(

@@ -33,8 +33,10 @@ from slurm_guard.faults.injection import (
     flip_bit,
     scale_and_shift,
 )
+from slurm_guard.protocol import Check
 from slurm_guard.rundir.checkpoint import rng_state
 from slurm_guard.rundir.layout import RunDir
+from slurm_guard.rundir.trust import TRUST_POINT
 from slurm_guard.sharded import checkpoint
 from slurm_guard.sharded.hooks import ReduceScatterState, fsdp_modules, install
 from slurm_guard.sharded.replay import Mesh
@@ -222,12 +224,25 @@ class ShardedGuard(GuardBase, StepCalls):
             )
         grads = [shard(p.grad) for p in self.params if p.grad is not None]
         result = self.verifier.check_step(plan.step, losses[0], plan.captured, plan.verify, grads)
-        if result.verified:
+        trusted = result.finding is None and self._trust_point(plan.step)
+        if result.verified or trusted:
             self.last_verified_step = plan.step
             self.verified_steps.append(plan.step)
         if result.finding is not None:
             self.alarm(result.finding, plan.step, update_applied=False)
         return result
+
+    def _trust_point(self, step: int) -> bool:
+        """Pure FSDP2 with `abft=True`: no replica to replay against, so at the replay cadence a
+        step whose checked GEMMs, conservation and finite checks passed counts toward trust
+        (recorded in the ledger; docs/integrations/fsdp.md, "Trust without replicas")."""
+        if self.mesh.replicas > 1 or self.abft is None:
+            return False
+        if not self.config.is_replay_step(step, self.fingerprinter.seed):
+            return False
+        detail: dict[str, object] = {TRUST_POINT: "GEMMs, conservation, finite checks passed"}
+        self._ledger(step, Check.ABFT, True, detail)
+        return True
 
     def _clip(self) -> None:
         if self.config.max_grad_norm is not None:
