@@ -19,7 +19,13 @@ from typing import TYPE_CHECKING
 import click
 
 from slurm_guard.cli.common import handle_errors, make_engine, print_reports
-from slurm_guard.cli.options import dry_run_option, json_option, runs_root_option, state_dir_option
+from slurm_guard.cli.options import (
+    dry_run_option,
+    job_run_dir_option,
+    json_option,
+    runs_root_option,
+    state_dir_option,
+)
 from slurm_guard.cli.review import review_group
 from slurm_guard.cli.status import status_cmd
 
@@ -45,13 +51,7 @@ def _ignoring_sigterm() -> Iterator[None]:
 
 
 @click.command("recover")
-@click.option(
-    "--run-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar="SLURM_GUARD_RUN_DIR",
-    required=True,
-    help="The job's run directory (default: $SLURM_GUARD_RUN_DIR).",
-)
+@job_run_dir_option
 @state_dir_option
 @dry_run_option
 @json_option
@@ -88,13 +88,7 @@ def recover_cmd(
 
 
 @click.command("supervise", context_settings={"ignore_unknown_options": True})
-@click.option(
-    "--run-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    envvar="SLURM_GUARD_RUN_DIR",
-    required=True,
-    help="The job's run directory (default: $SLURM_GUARD_RUN_DIR).",
-)
+@job_run_dir_option
 @click.option(
     "--nodes",
     "train_nodes",

@@ -69,6 +69,17 @@ def state_dir_option(f: F) -> F:
     )(f)
 
 
+def job_run_dir_option(f: F) -> F:
+    """`--run-dir` (env SLURM_GUARD_RUN_DIR, which the sbatch template sets for its steps)."""
+    return click.option(
+        "--run-dir",
+        type=click.Path(file_okay=False, path_type=Path),
+        envvar="SLURM_GUARD_RUN_DIR",
+        required=True,
+        help="The job's run directory (default: $SLURM_GUARD_RUN_DIR).",
+    )(f)
+
+
 def runs_root_option(*, required: bool = False, exists: bool = False) -> Callable[[F], F]:
     """`--runs-root` (env SLURM_GUARD_RUNS_ROOT); `exists` for commands that scan it."""
 

@@ -7,7 +7,7 @@ switched off. Each such place calls `require_api` (or raises `unsupported_torch`
 where it first needs the API, so the message names what the user was trying to do.
 
 `TESTED_TORCH` is what CI runs (`.ci/run`: the main install and the newer-torch part); the floor
-in pyproject.toml is the oldest of them.
+in pyproject.toml is the oldest of them (tests/test_torch_support.py holds the two together).
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 from slurm_guard.errors import GuardError
 
 __all__ = [
-    "OLDEST_TORCH",
     "TESTED_TORCH",
     "UnsupportedTorch",
     "UnsupportedVersion",
@@ -32,9 +31,6 @@ __all__ = [
 
 TESTED_TORCH = ("2.13.0", "2.14.1")
 """Releases CI tests on every run (the README's and the user guide's tested range)."""
-
-OLDEST_TORCH = (2, 13)
-"""pyproject.toml's floor: the oldest release CI tests."""
 
 
 class UnsupportedVersion(GuardError):

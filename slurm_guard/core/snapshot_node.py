@@ -63,7 +63,7 @@ class NodeStep:
             raw = (state.get("peers") or {}).get(str(rank))
             if raw is None:
                 raise GuardError(f"snapshot step-{self.step:08d}: no copy of rank {rank}'s state")
-            loaded: dict[str, Any] = peers.from_bytes(bytes(raw.tolist()))
+            loaded: dict[str, Any] = peers.from_bytes(peers.tensor_bytes(raw))
             return loaded
         raise GuardError(f"snapshot step-{self.step:08d}: rank {rank}'s own state is not here")
 

@@ -32,8 +32,9 @@ __all__ = [
     "exchange_bytes",
     "from_bytes",
     "offered",
-    "peer_of",
+    "peers_of",
     "row_of",
+    "tensor_bytes",
     "to_bytes",
 ]
 
@@ -41,30 +42,37 @@ PROVIDED = 16  # ranks whose own state one rank offers at most (its node's direc
 WIDTH = 3 + PROVIDED  # ints per offered step in the resume's gather
 
 
-def peer_of(topology: Topology, rank: int) -> int | None:
-    """The rank that keeps `rank`'s own state: same position on the next node; None on one node."""
+def peers_of(topology: Topology) -> list[int | None]:
+    """Who keeps each rank's own state: the rank at the same position on the next node (the
+    last one there if that node has fewer ranks); None everywhere on a single node. O(W)."""
     nodes = topology.nodes
     if len(nodes) < 2:
-        return None
-    on = {
-        node: [r for r in range(topology.world_size) if topology.node_of(r) == node]
-        for node in nodes
-    }
-    node = topology.node_of(rank)
-    position = on[node].index(rank)
-    following = on[nodes[(nodes.index(node) + 1) % len(nodes)]]
-    return following[min(position, len(following) - 1)]
-
-
-def kept_for(topology: Topology, rank: int) -> list[int]:
-    """The ranks whose own state `rank` keeps (each has `rank` as its peer)."""
-    return [q for q in range(topology.world_size) if peer_of(topology, q) == rank]
+        return [None] * topology.world_size
+    on: dict[str, list[int]] = {node: [] for node in nodes}
+    for rank in range(topology.world_size):
+        on[topology.node_of(rank)].append(rank)
+    following = {node: on[nodes[(i + 1) % len(nodes)]] for i, node in enumerate(nodes)}
+    out: list[int | None] = []
+    for rank in range(topology.world_size):
+        node = topology.node_of(rank)
+        nxt = following[node]
+        out.append(nxt[min(on[node].index(rank), len(nxt) - 1)])
+    return out
 
 
 def to_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of a uint8 tensor, without a Python int per byte (`tolist`: slow for weights)."""
+    host = tensor.detach().cpu()
+    storage = host.untyped_storage()
+    if host.storage_offset() or storage.nbytes() != host.numel():
+        host = host.clone()  # a view: its storage holds more than these bytes
+    return bytes(host.untyped_storage())
 
 
 def from_bytes(data: bytes) -> Any:
@@ -99,7 +107,7 @@ def exchange_bytes(
     ]
     ops += [comm.recv(buffer, src) for src, buffer in buffers.items()]
     comm.p2p(ops, f"{what}: bytes")
-    return {src: bytes(buffer.cpu().tolist()) for src, buffer in buffers.items()}
+    return {src: tensor_bytes(buffer) for src, buffer in buffers.items()}
 
 
 @dataclass(frozen=True)

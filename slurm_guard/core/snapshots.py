@@ -16,7 +16,6 @@ Anything short of that falls back to the checkpoints, never to a start from noth
 from __future__ import annotations
 
 import logging
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -61,8 +60,11 @@ class NodeSnapshots:
         topology: Topology,
     ) -> None:
         self.comm = comm
-        self.topology = topology
         self.rank = rank
+        # Fixed for the run: who keeps this rank's own state, and whose it keeps.
+        keepers = peers.peers_of(topology)
+        self.peer = keepers[rank]
+        self.keeps = [q for q, keeper in enumerate(keepers) if keeper == rank]
         self.leader = leader  # the node's first rank: it keeps the model and optimizer
         self.run_id = run_id
         self.world_size = world_size
@@ -110,11 +112,8 @@ class NodeSnapshots:
         each rank's own state is a collective: every rank is here, after the same passing vote.
         """
         own = {"rng": rng, "stateful": own_stateful}
-        peer = peers.peer_of(self.topology, self.rank)
-        sends = {peer: peers.to_bytes(own)} if peer is not None else {}
-        kept = peers.exchange_bytes(
-            self.comm, sends, peers.kept_for(self.topology, self.rank), "snapshot: peer copies"
-        )
+        sends = {self.peer: peers.to_bytes(own)} if self.peer is not None else {}
+        kept = peers.exchange_bytes(self.comm, sends, self.keeps, "snapshot: peer copies")
         state: dict[str, Any] = {
             **own,
             "peers": {
@@ -155,12 +154,10 @@ class NodeSnapshots:
         root, key = self.store.root, self.store.job_id
         for rank in ranks_on_node(root, key):
             store = SnapshotStore(root, key, rank)
-            for seal in store.seals()[0]:
-                if seal.step > step:
-                    store.remove(seal.step)
-            for unusable in store.seals()[1]:
-                if unusable > step:
-                    shutil.rmtree(store.path(unusable), ignore_errors=True)
+            seals, unusable = store.seals()
+            for newer in {s.step for s in seals} | set(unusable):
+                if newer > step:
+                    store.remove(newer)
         if self._index is not None and self._index.exists():
             try:
                 record = read_json_file(self._index)

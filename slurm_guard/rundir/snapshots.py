@@ -22,7 +22,6 @@ written, so a listed snapshot is always complete; the newest `keep` (2) are kept
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 
 from slurm_guard.protocol import SNAPSHOT_SCHEMA
+from slurm_guard.rundir.checkpoint import sha256_file
 from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
 
 logger = logging.getLogger(__name__)
@@ -161,14 +161,6 @@ def _files(value: Any, source: str) -> dict[str, str]:
     return dict(value)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class SnapshotStore:
     """One rank's snapshots of one job, in node-local memory (no collectives, no shared disk)."""
 
@@ -216,7 +208,7 @@ class SnapshotStore:
                 run_id=run_id,
                 weight_fingerprint=weight_fingerprint,
                 fingerprint_seed=fingerprint_seed,
-                files={name: _sha256(stage / name) for name in parts},
+                files={name: sha256_file(stage / name) for name in parts},
                 rank=self.rank,
                 world_size=world_size,
                 created=time.time(),
@@ -289,7 +281,7 @@ class SnapshotStore:
             return f"sealed by another run ({seal.run_id}, this run is {run_id})"
         for name in (f for f in files if f in seal.files):
             try:
-                if _sha256(self.path(seal.step) / name) != seal.files[name]:
+                if sha256_file(self.path(seal.step) / name) != seal.files[name]:
                     return f"{name} does not match its sealed sha256 (damaged)"
             except OSError as exc:
                 return f"{name} cannot be read ({exc.strerror})"
