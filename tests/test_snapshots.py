@@ -167,3 +167,14 @@ def test_on_a_gpu_the_copy_reads_the_state_before_the_next_update(tmp_path: Path
     seals, _ = SnapshotStore(tmp_path, "77", rank=0).seals()
     saved = SnapshotStore(tmp_path, "77", rank=0).load(seals[0])
     assert torch.equal(saved["model"]["weight"], before)
+
+
+@pytest.mark.distributed
+def test_an_empty_peer_copy_travels_as_its_size_and_the_rest_arrive_whole() -> None:
+    from workers import exchange_payloads
+
+    from slurm_guard.local.launch import run_local
+
+    outcomes = run_local(exchange_payloads, 3)
+    assert [o.status for o in outcomes] == ["ok"] * 3, [o.value for o in outcomes]
+    assert [o.value for o in outcomes] == [{}, {0: b""}, {0: bytes(range(256)) * 3}]

@@ -100,3 +100,14 @@ def bad_loss(run_dir: str) -> str:
         )
         return f"{exc} | unchanged={unchanged}"
     return "no error"
+
+
+def exchange_payloads() -> dict[int, bytes]:
+    """Rank 0 sends rank 1 nothing (an empty payload) and rank 2 its bytes; every rank calls."""
+    from slurm_guard.comm.collective import Collective
+    from slurm_guard.core.snapshot_peers import exchange_bytes
+
+    rank = dist.get_rank()
+    comm = Collective(None, f"n{rank}", 0)
+    sends = {1: b"", 2: bytes(range(256)) * 3} if rank == 0 else {}
+    return exchange_bytes(comm, sends, [0] if rank else [], "test exchange")

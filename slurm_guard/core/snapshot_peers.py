@@ -97,17 +97,20 @@ def exchange_bytes(
     ops += [comm.recv(size, src) for src, size in sizes_in.items()]
     comm.p2p(ops, f"{what}: sizes")
     counts = torch.cat(list(sizes_in.values())).tolist() if recvs else []  # one host read
+    # An empty payload travels as its size alone: both sides know it from the first round.
     buffers = {
         src: torch.empty(int(n), dtype=torch.uint8, device=device)
         for src, n in zip(sizes_in, counts, strict=True)
+        if n > 0
     }
     ops = [
         comm.send(torch.frombuffer(bytearray(b), dtype=torch.uint8).to(device), dst)
         for dst, b in sends.items()
+        if b
     ]
     ops += [comm.recv(buffer, src) for src, buffer in buffers.items()]
     comm.p2p(ops, f"{what}: bytes")
-    return {src: tensor_bytes(buffer) for src, buffer in buffers.items()}
+    return {src: tensor_bytes(buffers[src]) if src in buffers else b"" for src in recvs}
 
 
 @dataclass(frozen=True)

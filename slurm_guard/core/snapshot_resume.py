@@ -71,11 +71,15 @@ def resume_from_snapshots(
     if into is None:
         raise GuardError("no state to restore a snapshot into (NodeSnapshots.target)")
     node.copier.wait()
-    held = scan_node(node.store.root, node.store.job_id, node.run_id, node.world_size)
-    offers = {
-        step: (entry.fingerprint_key(), _loadable(entry, node.rank), set(entry.provides()))
-        for step, entry in held.items()
-    }
+    try:  # a rank whose memory cannot be read offers nothing; it must still join the gather
+        held = scan_node(node.store.root, node.store.job_id, node.run_id, node.world_size)
+        offers = {
+            step: (entry.fingerprint_key(), _loadable(entry, node.rank), set(entry.provides()))
+            for step, entry in held.items()
+        }
+    except Exception:
+        logger.exception("rank %d: cannot read the snapshots on its node", node.rank)
+        held, offers = {}, {}
     rows = node.comm.all_gather_rows(
         peers.row_of(offers, STEPS_OFFERED), "resume: the snapshots on each node"
     )
@@ -152,25 +156,24 @@ def _give_to_the_others(
 ) -> None:
     """Weights from the first holder, each rank's own state from a node keeping it (collective)."""
     rank = node.rank
-    lacking = sorted(choice.keepers)
     weights: dict[int, bytes] = {}
-    if rank == choice.source:  # its module and optimizer hold the proven snapshot now
-        state = {"model": into.module.state_dict(), "optimizer": into.optimizer.state_dict()}
-        weights = dict.fromkeys(lacking, peers.to_bytes(state))
-    got_weights = peers.exchange_bytes(
-        node.comm, weights, [choice.source] if rank in choice.keepers else [], "snapshot weights"
-    )
     own: dict[int, bytes] = {}
     problem = None
-    try:
+    try:  # what this rank sends; a failure here must reach every rank before any exchange
+        if rank == choice.source:  # its module and optimizer hold the proven snapshot now
+            state = {"model": into.module.state_dict(), "optimizer": into.optimizer.state_dict()}
+            weights = dict.fromkeys(sorted(choice.keepers), peers.to_bytes(state))
         for q, keeping in choice.keepers.items():
             if keeping == rank:
                 if entry is None:
                     raise GuardError(f"snapshot step-{choice.step:08d} is gone from this node")
                 own[q] = peers.to_bytes(entry.load_own(q, node.run_id))
-    except Exception as exc:  # this keeper cannot send: every rank must learn it first
-        problem = f"rank {rank} cannot send the own state it keeps ({exc})"
-    node.comm.share_problem(problem, f"snapshot {choice.step}: the kept copies")
+    except Exception as exc:
+        problem = f"rank {rank} cannot send what the ranks without the snapshot need ({exc})"
+    node.comm.share_problem(problem, f"snapshot {choice.step}: what the others need")
+    got_weights = peers.exchange_bytes(
+        node.comm, weights, [choice.source] if rank in choice.keepers else [], "snapshot weights"
+    )
     keeper = choice.keepers.get(rank)
     got_own = peers.exchange_bytes(
         node.comm, own, [keeper] if keeper is not None else [], "snapshot own state"

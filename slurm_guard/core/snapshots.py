@@ -112,8 +112,15 @@ class NodeSnapshots:
         each rank's own state is a collective: every rank is here, after the same passing vote.
         """
         own = {"rng": rng, "stateful": own_stateful}
-        sends = {self.peer: peers.to_bytes(own)} if self.peer is not None else {}
-        kept = peers.exchange_bytes(self.comm, sends, self.keeps, "snapshot: peer copies")
+        sends: dict[int, bytes] = {}
+        if self.peer is not None:
+            try:  # an empty copy, never a missing send: the peer waits for one
+                sends[self.peer] = peers.to_bytes(own)
+            except Exception:
+                logger.exception("rank %d: no peer copy of its own state this time", self.rank)
+                sends[self.peer] = b""
+        received = peers.exchange_bytes(self.comm, sends, self.keeps, "snapshot: peer copies")
+        kept = {q: b for q, b in received.items() if b}  # an empty one keeps nothing
         state: dict[str, Any] = {
             **own,
             "peers": {
