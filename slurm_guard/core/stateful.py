@@ -19,10 +19,10 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import sys
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 
 from slurm_guard.errors import GuardError
@@ -103,8 +103,13 @@ def collect(
 
 
 def _encode(value: Any) -> Any:
-    """`value` with numpy arrays and scalars as plain data a weights_only load accepts."""
-    if isinstance(value, (np.ndarray, np.generic)):
+    """`value` with numpy arrays and scalars as plain data a weights_only load accepts.
+
+    numpy is not a dependency (the CPU torch wheel comes without it): a state can hold numpy
+    objects only where numpy was imported, so it is looked up, never imported, here.
+    """
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, (np.ndarray, np.generic)):
         array = np.asarray(value)
         if array.dtype.hasobject:
             return value  # object arrays hold Python objects: `_unloadable` names them
@@ -123,6 +128,7 @@ def _plain(value: dict[Any, Any]) -> bool:
 def _decode(value: Any) -> Any:
     if isinstance(value, dict):
         if NUMPY in value and set(value) == {NUMPY, "shape", "bytes"}:
+            np = _numpy()
             array = np.frombuffer(value["bytes"], dtype=np.dtype(value[NUMPY]))
             array = array.reshape(value["shape"]).copy()
             return array if array.shape else array[()]
@@ -130,6 +136,17 @@ def _decode(value: Any) -> Any:
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
         return type(value)(_decode(v) for v in value)
     return value
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError:
+        raise GuardError(
+            "the saved stateful state holds numpy arrays, and numpy is not installed here: "
+            "pip install numpy"
+        ) from None
+    return numpy
 
 
 def _loads_safely(value: Any) -> Exception | None:
