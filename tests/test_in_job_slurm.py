@@ -10,7 +10,6 @@ alarms, with at most one drain.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -254,7 +253,7 @@ def test_fault_that_follows_rank1_holds_the_job(
     (row,) = json.loads(review.output)["held_jobs"]
     assert row["job_id"] == job and "not hardware" in row["reason"]
     client.run(["scancel", job])
-    time.sleep(0.5)
+    wait_ended(client, job, run_dir, 60)  # gone before the next test's cluster check
 
 
 def test_supervisor_epilog_and_watcher_racing_act_once(
