@@ -19,7 +19,6 @@ from sharded_guard_workers import (
     train_resumed,
     train_saving,
     train_three_groups,
-    train_with_snapshots,
 )
 
 from slurm_guard.checks.rows import bits
@@ -264,10 +263,3 @@ def test_one_shard_per_replica_group_is_refused_by_name(tmp_path: Path) -> None:
     outcomes = run_local(train_three_groups, 3, args=(str(tmp_path), 1), nodes=NODES[:3])
     assert [o.status for o in outcomes] == ["error"] * 3
     assert all("2 or more shards per replica group" in str(o.value) for o in outcomes)
-
-
-def test_snapshots_are_refused_by_name_not_silently_dropped(tmp_path: Path) -> None:
-    """ShardedGuard keeps no snapshots yet: asking for them must not look like it does."""
-    outcomes = run_local(train_with_snapshots, 2, args=(str(tmp_path), 1), nodes=NODES[:2])
-    assert [o.status for o in outcomes] == ["error"] * 2
-    assert all("ShardedGuard keeps no snapshots yet" in str(o.value) for o in outcomes)

@@ -16,6 +16,7 @@ checkpoint is still there. `last_error` says why, for a test or a status line.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -71,12 +72,22 @@ class SnapshotCopier:
         self._event: Any = None
         if device.type == "cuda":
             self._stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        # The writer is a daemon thread (a hung write must not keep a finished job alive), so
+        # a process that ends right after a snapshot would cut it off: wait for it at exit.
+        atexit.register(self.wait)
 
-    def start(self, state: dict[str, Any], **seal: Any) -> None:
+    def start(
+        self,
+        state: dict[str, Any],
+        write: Callable[[Any], SnapshotSeal] | None = None,
+        **seal: Any,
+    ) -> None:
         """Snapshot `state` (the module, optimizer ... as they are now); returns at once.
 
         `seal` holds `SnapshotStore.write`'s keywords (step, run id, fingerprint, seed, world
         size); a callable value is called on the writer thread, after the copy has landed.
+        Or `write(host_state)` writes it (the sharded guard also writes its peers' copies) and
+        returns the seal of this rank's own snapshot.
         The tensors are captured before this returns (enqueued on the copy stream on a GPU,
         cloned on the CPU), so the caller may go on training.
         """
@@ -90,7 +101,10 @@ class SnapshotCopier:
             host = host_copy(state, lambda t, _: t.detach().clone())
         self.stats.bytes = _nbytes(host)
         self._thread = threading.Thread(
-            target=self._write, args=(host, seal, copied), name="slurm-guard-snapshot", daemon=True
+            target=self._write,
+            args=(host, write, seal, copied),
+            name="slurm-guard-snapshot",
+            daemon=True,
         )
         self._thread.start()
 
@@ -106,6 +120,9 @@ class SnapshotCopier:
                 buffer = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
                 self._buffers[path] = buffer
             buffer.copy_(tensor.detach(), non_blocking=True)
+            # a temporary (a received peer copy) may be freed when `start` returns: its memory
+            # must not be handed to the training stream before this stream has read it
+            tensor.record_stream(stream)
             return buffer
 
         with torch.cuda.stream(stream):
@@ -122,13 +139,22 @@ class SnapshotCopier:
         if self._event is not None:
             torch.cuda.current_stream(self.device).wait_event(self._event)
 
-    def _write(self, host: Any, seal: dict[str, Any], began: float) -> None:
+    def _write(
+        self,
+        host: Any,
+        write: Callable[[Any], SnapshotSeal] | None,
+        seal: dict[str, Any],
+        began: float,
+    ) -> None:
         try:
             if self._event is not None:
                 self._event.synchronize()  # this thread waits for the copy, not the step
-            # a value still on the device (the fingerprint) is read here, off the step's path
-            fields = {k: v() if callable(v) else v for k, v in seal.items()}
-            self.last_seal = self.store.write(host, **fields)
+            if write is not None:
+                self.last_seal = write(host)
+            else:
+                # a value still on the device (the fingerprint) is read here, off the step's path
+                fields = {k: v() if callable(v) else v for k, v in seal.items()}
+                self.last_seal = self.store.write(host, **fields)
             self.stats.written += 1
             if self.on_written is not None:
                 self.on_written(self.last_seal)

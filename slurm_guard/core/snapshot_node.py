@@ -12,6 +12,7 @@ The small files are hashed when the node is scanned; the weights when they are l
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from slurm_guard.rundir.snapshots import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NodeStep", "scan_node"]
+__all__ = ["NodeStep", "scan_node", "usable_seals"]
 
 
 @dataclass
@@ -77,15 +78,11 @@ def _checked_load(
     return store.load(seal, (name,))
 
 
-def scan_node(root: Path, key: str, run_id: str, world_size: int) -> dict[int, NodeStep]:
-    """Every snapshot step this node holds for the run, by step.
-
-    The small files (each rank's own state and its peers' copies) are hashed here, so a damaged
-    one is never offered; the weights are hashed by the ranks that load them. A step whose seals
-    on this node name two fingerprints is left out: two timelines met here.
-    """
-    steps: dict[int, NodeStep] = {}
-    conflicting: set[int] = set()
+def usable_seals(
+    root: Path, key: str, run_id: str, world_size: int
+) -> Iterator[tuple[SnapshotStore, SnapshotSeal]]:
+    """Every seal of this run on this node, whichever rank directory holds it, whose small file
+    (own.pt) matches its sha256; what is skipped is logged."""
     for rank in ranks_on_node(root, key):
         store = SnapshotStore(root, key, rank)
         seals, unusable = store.seals()
@@ -104,15 +101,28 @@ def scan_node(root: Path, key: str, run_id: str, world_size: int) -> dict[int, N
                     "skipping snapshot step-%08d of rank %d: %s", seal.step, rank, problem
                 )
                 continue
-            entry = steps.setdefault(seal.step, NodeStep(seal.step, seal.weight_fingerprint))
-            if entry.fingerprint != seal.weight_fingerprint:
-                conflicting.add(seal.step)
-                continue
-            if seal.weights and entry.weights is None:
-                entry.weights = (store, seal)
-            entry.own[seal.rank] = (store, seal)
-            for q in seal.peers:
-                entry.kept.setdefault(q, (store, seal))
+            yield store, seal
+
+
+def scan_node(root: Path, key: str, run_id: str, world_size: int) -> dict[int, NodeStep]:
+    """Every snapshot step this node holds for the run, by step.
+
+    The small files (each rank's own state and its peers' copies) are hashed here, so a damaged
+    one is never offered; the weights are hashed by the ranks that load them. A step whose seals
+    on this node name two fingerprints is left out: two timelines met here.
+    """
+    steps: dict[int, NodeStep] = {}
+    conflicting: set[int] = set()
+    for store, seal in usable_seals(root, key, run_id, world_size):
+        entry = steps.setdefault(seal.step, NodeStep(seal.step, seal.weight_fingerprint))
+        if entry.fingerprint != seal.weight_fingerprint:
+            conflicting.add(seal.step)
+            continue
+        if seal.weights and entry.weights is None:
+            entry.weights = (store, seal)
+        entry.own[seal.rank] = (store, seal)
+        for q in seal.peers:
+            entry.kept.setdefault(q, (store, seal))
     for step in conflicting:
         logger.warning("skipping snapshot step-%08d: this node holds two versions of it", step)
         steps.pop(step, None)

@@ -8,8 +8,9 @@
 3. The ranks that can, load it and prove the sealed fingerprint. The first of them sends the
    weights to every rank that cannot, and a rank whose node keeps a copy sends each such rank
    its own state; those ranks prove the fingerprint too.
-A failure anywhere in 3 reaches every rank through the agreement, and every rank returns -1:
-the checkpoints decide, exactly as without snapshots.
+A failure anywhere in 3 reaches every rank through the agreement, and every rank tries the next
+older snapshot step the rule allows; when none is left it returns -1, and the checkpoints
+decide, exactly as without snapshots.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +35,7 @@ from slurm_guard.rundir.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NodeSnapshots", "SnapshotLoad", "resume_from_snapshots"]
+__all__ = ["NodeSnapshots", "SnapshotLoad", "allowed_except", "resume_from_snapshots"]
 
 STEPS_OFFERED = 2  # the newest steps each rank offers (each node keeps two per rank)
 
@@ -83,35 +85,45 @@ def resume_from_snapshots(
     rows = node.comm.all_gather_rows(
         peers.row_of(offers, STEPS_OFFERED), "resume: the snapshots on each node"
     )
-    chosen = -1
-    if allowed is not None:
-        found = peers.choose(rows, allowed, newest_checkpoint)
-        chosen = -1 if found is None else found.step
-    (chosen,) = node.comm.broadcast_ints([chosen], "resume: the snapshot chosen")
-    if chosen < 0:
-        return -1
-    choice = peers.choose(rows, lambda s: s == chosen, -1)  # the same on every rank
-    if choice is None:
-        raise GuardError(f"snapshot step-{chosen:08d}: the ranks disagree about who holds it")
-    entry = held.get(chosen)
-    try:
-        node.comm.agree(lambda: _load_here(node, choice, entry, into), f"snapshot {chosen}")
-        if choice.keepers:
-            _give_to_the_others(node, choice, entry, into)
-    except RankFailed as exc:  # a cache that failed somewhere: the checkpoints decide
-        if node.rank == 0:
-            logger.warning(
-                "snapshot step-%08d not usable on rank %d (%s): resuming from a checkpoint",
-                chosen,
-                exc.rank,
-                exc.cause,
-            )
-        return -1
+    rejected: set[int] = set()  # steps that failed to load somewhere: try the next older
+    while True:
+        chosen = -1
+        if allowed is not None:
+            found = peers.choose(rows, allowed_except(rejected, allowed), newest_checkpoint)
+            chosen = -1 if found is None else found.step
+        (chosen,) = node.comm.broadcast_ints([chosen], "resume: the snapshot chosen")
+        if chosen < 0:
+            return -1
+        choice = peers.choose(rows, {chosen}.__contains__, -1)  # the same on every rank
+        if choice is None:
+            raise GuardError(f"snapshot step-{chosen:08d}: the ranks disagree about who holds it")
+        entry = held.get(chosen)
+        try:
+            node.comm.agree(partial(_load_here, node, choice, entry, into), f"snapshot {chosen}")
+            if choice.keepers:
+                _give_to_the_others(node, choice, entry, into)
+        except RankFailed as exc:  # a cache that failed somewhere: an older one, or checkpoints
+            if node.rank == 0:
+                logger.warning(
+                    "snapshot step-%08d not usable on rank %d (%s): trying an older snapshot, "
+                    "then the checkpoints",
+                    chosen,
+                    exc.rank,
+                    exc.cause,
+                )
+            rejected.add(chosen)
+            continue
+        break
     node.resumed_from = chosen
     if node.rank == 0:
         others = f" ({len(choice.keepers)} ranks from other nodes)" if choice.keepers else ""
         logger.info("resumed from the node-local snapshots of step %d%s", chosen, others)
     return chosen
+
+
+def allowed_except(rejected: set[int], allowed: Callable[[int], bool]) -> Callable[[int], bool]:
+    """The rule's `allowed`, less the steps that already failed to load."""
+    return lambda step: step not in rejected and allowed(step)
 
 
 def _loadable(entry: NodeStep, rank: int) -> bool:

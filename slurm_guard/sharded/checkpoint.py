@@ -29,7 +29,7 @@ from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint.tree import as_hex, lanes_to_int
 from slurm_guard.rundir import checkpoint as ckpt
 from slurm_guard.rundir.records import read_json_file
-from slurm_guard.rundir.restore import record_rollback, resume_collectively
+from slurm_guard.rundir.restore import SnapshotSource, record_rollback, resume_collectively
 from slurm_guard.rundir.trust import CheckpointMeta, parse_checkpoint_meta
 
 if TYPE_CHECKING:
@@ -61,6 +61,9 @@ class GuardState(Protocol):
     last_verified_step: int | None
     verified_steps: list[int]
     rng_after_step: dict[str, torch.Tensor] | None
+
+    @property
+    def snapshots(self) -> SnapshotSource | None: ...
 
     def vote(self, step: int) -> None: ...
 
@@ -234,6 +237,7 @@ def resume(guard: GuardState) -> int:
         lambda step: load_shards(guard, step),
         run_id=guard.run_id,
         refuse=lambda meta: other_mesh(meta, guard.world_size),
+        snapshots=guard.snapshots,
     )
     guard.verified_steps = resumed.verified_steps
     if resumed.step < 0:

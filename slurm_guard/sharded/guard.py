@@ -37,7 +37,7 @@ from slurm_guard.protocol import Check
 from slurm_guard.rundir.checkpoint import rng_state
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.trust import TRUST_POINT
-from slurm_guard.sharded import checkpoint
+from slurm_guard.sharded import checkpoint, snapshots
 from slurm_guard.sharded.hooks import ReduceScatterState, fsdp_modules, install
 from slurm_guard.sharded.replay import Mesh
 from slurm_guard.sharded.verifier import ShardedVerifier
@@ -91,11 +91,6 @@ class ShardedGuard(GuardBase, StepCalls):
                 "ShardedGuard compares replays exactly: GuardConfig(deterministic=False) is not "
                 "supported under FSDP yet (docs/integrations/fsdp.md)"
             )
-        if self.config.snapshots:
-            raise GuardError(
-                "ShardedGuard keeps no snapshots yet: GuardConfig(snapshots=True) works with "
-                "sg.Guard (DDP) only (docs/snapshots.md); leave it False here"
-            )
         self.run_dir = RunDir(run_dir)
         self.model = model
         self.optimizer = optimizer
@@ -144,6 +139,10 @@ class ShardedGuard(GuardBase, StepCalls):
         self.rng_after_step: dict[str, torch.Tensor] | None = None
         self._open = None
         self._checked = None
+        self._rng_at_begin: dict[str, torch.Tensor] | None = None  # a trust point's RNG
+        self._trust_points = self.mesh.replicas == 1 and self.abft is not None
+        # Verified shards in node-local memory, copied to a peer node (GuardConfig.snapshots).
+        self.snapshots = snapshots.attach(self) if self.config.snapshots else None
         self._record_start()
 
     @staticmethod
@@ -209,6 +208,12 @@ class ShardedGuard(GuardBase, StepCalls):
         self.injector.step = step
         seed = self.fingerprinter.seed
         verify = self.mesh.replicas > 1 and self.config.is_replay_step(step, seed)
+        if (
+            self.snapshots is not None
+            and self._trust_points
+            and self.config.is_replay_step(step, seed)
+        ):
+            self._rng_at_begin = rng_state()  # what a snapshot of this step's start restores
         captured = capture(batch)
         self.optimizer.zero_grad(set_to_none=True)
         self.rs_state.reset(fingerprint=verify)
@@ -230,13 +235,18 @@ class ShardedGuard(GuardBase, StepCalls):
             self.verified_steps.append(plan.step)
         if result.finding is not None:
             self.alarm(result.finding, plan.step, update_applied=False)
+        if trusted and self.snapshots is not None:
+            # the state this checked step started from, before the update changes it
+            self._snapshot(plan.step, self.shard_fingerprint(), self._rng_at_begin)
+        if self.snapshots is not None:
+            self.snapshots.fence()  # the snapshot in flight has read the shards the update writes
         return result
 
     def _trust_point(self, step: int) -> bool:
         """Pure FSDP2 with `abft=True`: no replica to replay against, so at the replay cadence a
         step whose checked GEMMs, conservation and finite checks passed counts toward trust
         (recorded in the ledger; docs/integrations/fsdp.md, "Trust without replicas")."""
-        if self.mesh.replicas > 1 or self.abft is None:
+        if not self._trust_points:
             return False
         if not self.config.is_replay_step(step, self.fingerprinter.seed):
             return False
@@ -275,10 +285,24 @@ class ShardedGuard(GuardBase, StepCalls):
         """The shard vote on the state after `step`'s update (nothing to compare without
         replica groups: FSDP2 alone keeps one copy of each shard)."""
         if self.mesh.replicas > 1:
-            finding = self.verifier.vote(step, self.shard_fingerprint())
+            lanes = self.shard_fingerprint()
+            finding = self.verifier.vote(step, lanes)
             if finding is not None:
                 self.alarm(finding, step, update_applied=True)
+            if self.snapshots is not None:
+                self._snapshot(step + 1, lanes)
         self.voted_at = step + 1
+
+    def _snapshot(
+        self, steps_done: int, lanes: torch.Tensor, rng: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Snapshot the verified shards after `steps_done` steps (all ranks, off the path)."""
+        assert self.snapshots is not None
+        if rng is None:
+            # An RNG drawn between a step and a save (an eval) is not the state to restore.
+            between_steps = steps_done == self.step_count and self.rng_after_step is not None
+            rng = self.rng_after_step if between_steps and self.rng_after_step else rng_state()
+        self.snapshots.take(steps_done, lanes, rng)
 
     # ---------------------------------------------------------------- checkpoints
 
