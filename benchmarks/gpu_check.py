@@ -5,7 +5,16 @@ On a machine with CUDA it runs, each part in its own time budget so one hang can
 2. fingerprint bit-identity, CUDA (Triton NH) against CPU (C kernel), over sizes and dtypes;
 3. bandwidth on the GPU: fingerprint and the fused bucket check against `torch.sum` and a copy
    of the same tensor (GB/s of input read; the copy also writes as much);
-4. step overhead of a ~350M-parameter GPT (TinyGPT width 1024, 24 layers, context 512, batch 8)
+4. the snapshot copy (pinned buffer, copy stream) against a plain device-to-host copy, with
+   matmuls running during it, and the sealed snapshot's bits against the device's;
+5. the sharded guard (`_sharded_gpu.py`, 90 s): ShardedGuard on FSDP2 `fully_shard`, 4 ranks
+   sharing the one GPU as a 2 x 2 HSDP mesh over gloo (NCCL refuses two ranks on one device;
+   the reasons and sources are in `_sharded_gpu.py`), `abft=True`: replays of fingerprinted
+   reduce-scatter inputs, the shard vote, checked GEMMs, a sealed DCP checkpoint resumed
+   bit-identically by a second launch, and plain FSDP2 against ShardedGuard step times,
+   interleaved; then a probe of NCCL with 2 ranks on the GPU, each posing as its own host
+   (`NCCL_HOSTID`, outside NCCL's support; 40 s, reported, never relied on);
+6. step overhead of a ~350M-parameter GPT (TinyGPT width 1024, 24 layers, context 512, batch 8)
    under DDP with NCCL at world size 1: plain DDP, per-step checks only (replay and vote off),
    the same judged by the fast path's all-reduces (`fast_path_world=1`), the same with every
    GEMM checked (`abft=True`, the checked-GEMM cost on a GPU) and the default
@@ -15,13 +24,17 @@ their specifications, when Triton is installed) and exits 0.
 
     python benchmarks/gpu_check.py             # full check (needs one CUDA device)
     python benchmarks/gpu_check.py --quick     # fewer sizes and rounds
+    python benchmarks/gpu_check.py --sharded-only               # part 5 alone, on the GPU
+    python benchmarks/gpu_check.py --sharded-only --device cpu  # part 5's child on CPU tensors
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -33,7 +46,8 @@ from _common import median, table, write_json
 
 REPO = Path(__file__).resolve().parent.parent
 K = 10
-BUDGET_S = {"interpreter": 120, "tests": 200, "steps": 220}
+BUDGET_S = {"interpreter": 120, "tests": 200, "steps": 220, "sharded": 90, "nccl_probe": 40}
+CPU_SHARDED_BUDGET_S = 300  # the same child on CPU (gloo), for checks without a GPU
 
 
 def _repo_first() -> dict[str, str]:
@@ -44,27 +58,34 @@ def _repo_first() -> dict[str, str]:
 
 
 def _sub(args: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run a part in a child process; its last stdout line is JSON. Never raises."""
+    """Run a part in a child process; its last stdout line is JSON. Never raises.
+
+    The child leads its own process group, killed whole at the deadline: a part that spawns
+    ranks (sharded) must not leave them holding the GPU for the parts after it."""
     began = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, **_repo_first(), **(env or {})},
+        start_new_session=True,
+    )
     try:
-        proc = subprocess.run(
-            [sys.executable, *args],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=REPO,
-            env={**os.environ, **_repo_first(), **(env or {})},
-            check=False,
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout if isinstance(exc.stdout, str) else ""
-        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "tail": out[-3000:]}
-    lines = proc.stdout.strip().splitlines()
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        tail = (stdout + stderr)[-3000:]
+        return {"ok": False, "error": f"timed out after {timeout:.0f} s", "tail": tail}
+    lines = stdout.strip().splitlines()
     result: dict[str, Any] = {"returncode": proc.returncode}
     try:
         result.update(json.loads(lines[-1]))
     except (IndexError, ValueError):
-        result["tail"] = (proc.stdout + proc.stderr)[-3000:]
+        result["tail"] = (stdout + stderr)[-3000:]
     result.setdefault("ok", proc.returncode == 0)
     result["seconds"] = time.perf_counter() - began
     return result
@@ -364,8 +385,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer sizes and rounds")
     parser.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
-    parser.add_argument("--part", choices=["interpreter", "steps"], help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--part", choices=["interpreter", "steps", "sharded", "nccl-probe"], help=argparse.SUPPRESS
+    )
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument(
+        "--sharded-only",
+        action="store_true",
+        help="only the sharded guard part (4 ranks, gloo, one device)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="with --sharded-only: cpu runs the same child on CPU tensors (a check without a GPU)",
+    )
     args = parser.parse_args()
     if args.part == "interpreter":
         print(json.dumps(interpreter_part()))
@@ -373,6 +407,21 @@ def main() -> int:
     if args.part == "steps":
         print(json.dumps(steps_part(args.rounds or 3)))
         return 0
+    if args.part == "sharded":
+        from _sharded_gpu import sharded_part
+
+        # run_local's own deadlines end 5 s before the parent kills this child: lost ranks
+        # are then reported as such, with whatever the others said
+        budget = BUDGET_S["sharded"] if args.device == "cuda" else CPU_SHARDED_BUDGET_S
+        print(json.dumps(sharded_part(args.device, args.rounds or 0, budget - 5), default=str))
+        return 0
+    if args.part == "nccl-probe":
+        from _sharded_gpu import nccl_probe
+
+        print(json.dumps(nccl_probe(BUDGET_S["nccl_probe"] - 10)))
+        return 0
+    if args.sharded_only:
+        return _sharded_only(args.device, args.rounds, args.json)
 
     began = time.perf_counter()
     report: dict[str, Any] = {"cuda": torch.cuda.is_available()}
@@ -418,6 +467,7 @@ def main() -> int:
         )
     report["tests"] = _pytest_gpu(BUDGET_S["tests"])
     print(f"gpu-marked tests: {_summary(report['tests'])}")
+    report.update(_sharded("cuda", args.rounds or (2 if args.quick else 3)))
     rounds = args.rounds or (2 if args.quick else 3)
     report["steps"] = _sub(
         [__file__, "--part", "steps", "--rounds", str(rounds)], BUDGET_S["steps"]
@@ -426,8 +476,48 @@ def main() -> int:
     report["seconds"] = time.perf_counter() - began
     path = write_json("gpu_check", report, args.json)
     print(f"wrote {path} ({report['seconds']:.0f} s)")
-    parts = ("interpreter", "identity", "bandwidth", "snapshot", "tests", "steps")
+    parts = ("interpreter", "identity", "bandwidth", "snapshot", "tests", "sharded", "steps")
     return 0 if all(report[p].get("ok") for p in parts) else 1
+
+
+def _sharded(device: str, rounds: int) -> dict[str, dict[str, Any]]:
+    """The sharded part (and, on CUDA, the NCCL one-GPU probe), each a child with a budget."""
+    budget = BUDGET_S["sharded"] if device == "cuda" else CPU_SHARDED_BUDGET_S
+    part = _sub(
+        [__file__, "--part", "sharded", "--device", device, "--rounds", str(rounds)], budget
+    )
+    out = {"sharded": part}
+    print(f"sharded guard ({device}, gloo, 4 ranks, HSDP 2 x 2, abft): {_sharded_summary(part)}")
+    if device == "cuda":
+        out["nccl_probe"] = _sub([__file__, "--part", "nccl-probe"], BUDGET_S["nccl_probe"])
+        print(f"NCCL, 2 ranks on one GPU (probe, not relied on): {_summary(out['nccl_probe'])}")
+    return out
+
+
+def _sharded_summary(part: dict[str, Any]) -> str:
+    if not part.get("ok"):
+        return _summary(part)
+    ms = part.get("median_step_ms", {})
+    ratio = part.get("median_ratio_to_plain", {})
+    steps = "; ".join(f"{n} {ms[n]:.1f} ms/step ({ratio[n]:.2f}x)" for n in ms)
+    return (
+        f"ok: replays passed at steps {part['verified_steps']}, replicas agree, "
+        f"{part['checked_gemm_sites']} checked Linear sites, resumed from step "
+        f"{part['resumed_from_step']} bit-identical with the sealed shard fingerprints; {steps}"
+    )
+
+
+def _sharded_only(device: str, rounds: int | None, json_path: str | None) -> int:
+    if device == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here: sharded part skipped (--device cpu runs it on CPU)")
+        return 0
+    report: dict[str, Any] = {"cuda": torch.cuda.is_available(), "sharded_only": device}
+    report.update(
+        _sharded(device, rounds if rounds is not None else (3 if device == "cuda" else 1))
+    )
+    path = write_json(f"gpu_check_sharded_{device}", report, json_path)
+    print(f"wrote {path}")
+    return 0 if report["sharded"].get("ok") else 1
 
 
 def _pytest_gpu(timeout: float) -> dict[str, Any]:
