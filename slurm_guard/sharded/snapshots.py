@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -41,7 +41,34 @@ from slurm_guard.rundir.snapshots import (
 from slurm_guard.sharded.snapshot_state import apply_shards, flatten, local_tree, unflatten
 
 if TYPE_CHECKING:
-    from slurm_guard.sharded.guard import ShardedGuard
+    from torch import nn
+
+    from slurm_guard.comm.collective import Collective
+    from slurm_guard.comm.topology import Topology
+    from slurm_guard.config import GuardConfig
+    from slurm_guard.fingerprint.tree import Fingerprinter
+    from slurm_guard.rundir.layout import RunDir
+
+
+class ShardedRun(Protocol):
+    """What the snapshots need of `sharded.guard.ShardedGuard` (a protocol: no import cycle)."""
+
+    config: GuardConfig
+    run_dir: RunDir
+    comm: Collective
+    topology: Topology
+    node: str
+    rank: int
+    world_size: int
+    job_id: str | None
+    run_id: str
+    params: list[torch.nn.Parameter]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    fingerprinter: Fingerprinter
+
+    def shard_fingerprint(self) -> torch.Tensor: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +82,7 @@ WIDTH = 1 + 2 * PROVIDED  # ints per offered step: step, then (rank, fingerprint
 class ShardSnapshots(NodeSnapshots):
     """This rank's shard snapshots and the peer copies it keeps (see the module docstring)."""
 
-    guard: ShardedGuard
+    guard: ShardedRun
     peer_bytes: int = 0  # sent to the peer at the last snapshot
 
     def take(  # type: ignore[override]
@@ -314,7 +341,7 @@ def exchange_flat(
     return {src: (peers.tensor_bytes(layouts[src]), flats[src]) for src in recvs}
 
 
-def attach(guard: ShardedGuard) -> ShardSnapshots:
+def attach(guard: ShardedRun) -> ShardSnapshots:
     """The snapshots of a ShardedGuard's run on this node (GuardConfig(snapshots=True))."""
     key = guard.job_id or f"run-{guard.run_id[:16]}"
     snapshots = ShardSnapshots(
