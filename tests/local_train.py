@@ -28,7 +28,7 @@ class _SlowToFinalize:
 def main(run_dir: str, steps: int, raise_on: int | None = None, watchdog: float = 300.0) -> None:
     dist.init_process_group("gloo", init_method="env://")
     rank = int(os.environ["RANK"])
-    assert int(os.environ["LOCAL_RANK"]) == rank
+    assert int(os.environ["LOCAL_RANK"]) == rank % int(os.environ["LOCAL_WORLD_SIZE"])
     torch.manual_seed(0)
     config = TinyGPTConfig(vocab=32, context=8, width=16, heads=2, layers=1, dropout=0.0)
     ddp = DDP(TinyGPT(config))

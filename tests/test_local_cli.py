@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -111,14 +112,65 @@ def test_sigterm_or_sighup_to_the_launcher_stops_every_rank(tmp_path: Path, sign
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_a_rank_that_dies_leaves_the_others_time_to_raise_the_named_error(tmp_path: Path) -> None:
-    # rank 1 raises at step 3; ranks 0 and 2 wait in the step's all-reduce until the guard's
-    # watchdog (40 s here, 300 s by default) names rank 1 as missing. The default --grace must
-    # let them get there, rather than SIGTERM them first.
+def test_a_rank_that_raises_stops_the_launcher_at_once_with_its_code(tmp_path: Path) -> None:
+    # rank 1 raises at step 3; ranks 0 and 2 wait in the step's all-reduce, where only the
+    # guard's watchdog (300 s, the default) would name rank 1. The launcher, their parent,
+    # knows at once: it names rank 1 and stops them. The timeout proves it does not wait for
+    # the watchdog (the old launcher exited after watchdog + linger, about 350 s).
     cmd = [*LAUNCHER, "-n", "3", "--", sys.executable, str(SCRIPT), str(tmp_path)]
-    cmd += ["6", "1", "raise-at-3", "40"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
-    assert out.returncode == 1, out.stderr[-3000:]  # rank 1's own code
-    for rank in (0, 2):
-        named = [line for line in out.stderr.splitlines() if line.startswith(f"[rank{rank}]:")]
-        assert any("RanksMissing" in line for line in named), out.stderr[-3000:]
+    cmd += ["6", "1", "raise-at-3", "300"]
+    began = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=200)
+    print(f"launcher exited {out.returncode} after {time.monotonic() - began:.1f} s")
+    assert out.returncode == 1, out.stderr[-3000:]  # rank 1's own code (Python's for a raise)
+    assert "slurm-guard local: rank 1 (node2) exited with code 1" in out.stderr, out.stderr
+    assert "RuntimeError: rank 1: the user's code failed at step 3" in out.stderr
+    assert "RanksMissing" not in out.stderr  # stopped long before the watchdog
+
+
+# rank 1 exits 86 at once, the others 3 s later (after the fail-fast time), each writing a file
+EXITS_86_ONE_AFTER_ANOTHER = (
+    "import os, pathlib, sys, time\n"
+    "rank = os.environ['RANK']\n"
+    "time.sleep(0 if rank == '1' else 3)\n"
+    "pathlib.Path(sys.argv[1], rank).write_text('86')\n"
+    "sys.exit(86)"
+)
+
+
+def test_an_alarm_on_one_rank_leaves_the_others_time_to_exit_86_too(tmp_path: Path) -> None:
+    cmd = [*LAUNCHER, "-n", "3", "--", sys.executable, "-c", EXITS_86_ONE_AFTER_ANOTHER]
+    out = subprocess.run([*cmd, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 86, out.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2"], out.stderr
+    assert "rank 1 (node2) stopped on the guard's alarm (exit 86)" in out.stderr
+    assert "stopping rank" not in out.stderr
+
+
+def _launch_per_node(run_dir: Path, inject: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_GUARD_INJECT"}
+    if inject is not None:
+        env["SLURM_GUARD_INJECT"] = inject
+    cmd = [*LAUNCHER, "--nodes", "3", "--ranks-per-node", "2", "--grace", "60", "--"]
+    cmd += [sys.executable, str(SCRIPT), str(run_dir), "4"]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_two_ranks_per_node_a_clean_run_passes(tmp_path: Path) -> None:
+    out = _launch_per_node(tmp_path, None)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ranks = json.loads((tmp_path / "run.json").read_text())["ranks"]
+    assert [r["node"] for r in ranks] == ["node1", "node1", "node2", "node2", "node3", "node3"]
+
+
+def test_two_ranks_per_node_a_fault_on_node2_convicts_node2_alone(tmp_path: Path) -> None:
+    # Both ranks of node2 scale their gradients alike: a replay by the same-node neighbour
+    # would agree with them. Every comparison pairs two nodes, and node2 is named.
+    out = _launch_per_node(tmp_path, "kind=grad-scale,node=node2,step=1,persistent=1,param=3")
+    assert out.returncode == 86, out.stderr[-3000:]
+    (path,) = (tmp_path / "alarms").glob("*.json")
+    alarm = json.loads(path.read_text())
+    assert (alarm["verdict"], alarm["suspect_nodes"], alarm["injected"]) == ("sdc", ["node2"], True)
+    assert set(alarm["suspect_ranks"]) <= {2, 3}, alarm["suspect_ranks"]
+    for failed in alarm["evidence"]["failed"]:
+        assert failed["owner"] // 2 != failed["replayer"] // 2, failed  # never same-node

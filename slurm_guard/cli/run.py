@@ -322,38 +322,72 @@ def submit_cmd(
     "-n",
     "--nprocs",
     type=click.IntRange(min=1),
-    required=True,
-    help="Processes (ranks) to start; rank r poses as node r+1.",
+    default=None,
+    help="Ranks to start, each its own pose node: rank r is node<r+1>, LOCAL_RANK=r.",
+)
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Pose nodes (torchrun's --nnodes); with --ranks-per-node [default: 1].",
+)
+@click.option(
+    "--ranks-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Ranks on each pose node (torchrun's --nproc-per-node), placed as srun "
+    "--ntasks-per-node places them: ranks 0..G-1 on node1, G..2G-1 on node2, ... [default: 1].",
 )
 @click.option(
     "--grace",
     type=click.FloatRange(min=0),
     default=None,
-    help="Seconds the other ranks get to exit after one fails, before they are stopped "
-    "[default: the guard's default watchdog_seconds (300) + 60, so that they stop on the "
-    "guard's named error; set it to your GuardConfig's watchdog_seconds + 60].",
+    help="Seconds the other ranks get to exit 86 after one exits 86 (the guard's alarm), "
+    "before they are stopped [default: the guard's default watchdog_seconds (300) + 60; set "
+    "it to your GuardConfig's watchdog_seconds + 60]. After any other error they are stopped "
+    "within seconds.",
 )
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def local_cmd(nprocs: int, grace: float | None, command: tuple[str, ...]) -> None:
-    """Run a training script on N local processes, each posing as its own node.
+def local_cmd(
+    nprocs: int | None,
+    nodes: int | None,
+    ranks_per_node: int | None,
+    grace: float | None,
+    command: tuple[str, ...],
+) -> None:
+    """Run a training script on local processes, each posing as a Slurm node.
 
-    Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
-    (init_process_group("gloo") reads them) and SLURMD_NODENAME=node<r+1>. Exits 86 if any
-    rank was stopped by the guard (torchrun turns 86 into 1), else with the code of the rank
-    that failed first. Ctrl-C, SIGTERM and SIGHUP stop every rank before the launcher exits.
+    -n N starts N ranks, each its own node. --nodes N --ranks-per-node G starts N x G ranks, G
+    to a node, as srun --ntasks-per-node=G places them: replays pair ranks of different nodes,
+    as on the cluster. Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT (init_process_group("gloo") reads them) and SLURMD_NODENAME; with
+    --ranks-per-node also GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*, SLURM_NODEID, SLURM_LOCALID.
+
+    Fails fast, like torchrun: when a rank exits with an error, the launcher names it (rank,
+    node, code) at once, stops the others within seconds and exits with that rank's code.
+    When a rank exits 86 (the guard's alarm), the others get --grace seconds to exit 86 too,
+    and the launcher exits 86 (torchrun turns 86 into 1). Ctrl-C, SIGTERM and SIGHUP stop
+    every rank before the launcher exits.
 
     Example:
 
         \b
         slurm-guard local -n 3 -- python train.py --steps 20
+        slurm-guard local --nodes 3 --ranks-per-node 2 -- python train.py
         SLURM_GUARD_INJECT=kind=grad-scale,node=node2,step=5,persistent=1 \\
             slurm-guard local -n 3 -- python train.py
     """
     from slurm_guard.local.script import DEFAULT_GRACE_SECONDS, LaunchError, run_script
 
+    if nprocs is not None and (nodes is not None or ranks_per_node is not None):
+        raise click.UsageError("give -n N, or --nodes N --ranks-per-node G, not both")
+    if nprocs is None and nodes is None and ranks_per_node is None:
+        raise click.UsageError("give -n N (one rank per node) or --nodes N --ranks-per-node G")
+    per_node = None if nprocs is not None else (ranks_per_node or 1)
+    world = nprocs if nprocs is not None else (nodes or 1) * (ranks_per_node or 1)
     grace_seconds = DEFAULT_GRACE_SECONDS if grace is None else grace
     try:
-        code = run_script(command, nprocs, grace_seconds=grace_seconds)
+        code = run_script(command, world, grace_seconds=grace_seconds, ranks_per_node=per_node)
     except LaunchError as exc:
         raise click.ClickException(str(exc)) from None
     raise SystemExit(code)

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_guard.errors import SilentDataCorruption
+from slurm_guard.local.script import pose_env
 
 
 @dataclass
@@ -79,8 +80,14 @@ def run_local(
     nodes: Sequence[str] | None = None,
     extra_env: dict[str, str] | None = None,
     timeout: float = 300.0,
+    ranks_per_node: int | None = None,
 ) -> list[RankOutcome]:
     """Run `fn(*args)` on `world_size` processes; `nodes[r]` becomes rank r's SLURMD_NODENAME.
+
+    `ranks_per_node` G places the ranks as `slurm-guard local --ranks-per-node G` does: G to a
+    node in srun's block layout, node<k+1> unless `nodes` names them, with srun's and
+    torchrun's variables for that place (`pose_env`: LOCAL_RANK on the node, GROUP_RANK...).
+    Without it LOCAL_RANK is the rank and LOCAL_WORLD_SIZE the world size.
 
     `fn` must be importable (a module-level function): processes are spawned, not forked, so no
     thread or CUDA state leaks from the parent.
@@ -92,15 +99,10 @@ def run_local(
     for rank in range(world_size):
         # torchrun's variables too: frameworks (Accelerate) read them even when the process
         # group already exists
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            **(extra_env or {}),
-        }
+        env = pose_env(rank, world_size, port, ranks_per_node)
+        if ranks_per_node is None:
+            del env["SLURMD_NODENAME"]  # the host name, unless `nodes` names one
+        env.update(extra_env or {})
         if nodes is not None:
             env["SLURMD_NODENAME"] = nodes[rank]
         p = ctx.Process(target=_worker, args=(rank, world_size, port, env, fn, args, results))
