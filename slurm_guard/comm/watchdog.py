@@ -13,9 +13,9 @@ fact (NCCL's flight recorder). So does this module:
 - A listener thread on every rank holds one blocking `wait` on a key of its own,
   `wake/<epoch>/<rank>` (one outstanding request, no polling, on its own connection); the
   declarer sets every rank's key in one `multi_set`. The key is per rank so that a rank can wake
-  its own listener when it exits (`close`, at interpreter exit): a listener still blocked in the
-  store's C++ wait when the store's host goes away would return into a finalizing interpreter,
-  and the forced unwind of its thread aborts the process (exit 134 after a clean run).
+  its own listener when it exits (`close`, at exit): a thread still in a C++ store call (this
+  wait, or a hang probe's verdict) when the interpreter finalizes aborts the process on its
+  return (exit 134 after a clean run), so `close` waits until both threads have left.
 - When it fires, every rank posts its position; the declarer judges them (`judge`) and posts one
   verdict, which every listener reads: every rank then raises the same `RanksMissing` or
   `CollectiveMismatch`, naming the ranks behind and where each was.
@@ -62,7 +62,8 @@ COLLECT_SECONDS = 10.0  # the declarer waits this long for every rank's position
 PROBE_SECONDS = 5.0  # a store round this slow asks every rank where it is (a mismatch stops it)
 _COUNT = 1 << 40  # a store round's counter adds COUNT + tag: arrivals above, tag sum below
 _FOREVER = datetime.timedelta(hours=24)  # the listener's wait, renewed when it runs out
-CLOSE_SECONDS = 5.0  # at exit, how long to wait for this rank's listener to leave the store
+CLOSE_SECONDS = 5.0  # at exit, rank 0 waits this long for the others' listeners to leave
+VERDICT_SECONDS = COLLECT_SECONDS + 60  # a listener's wait for a declared hang's verdict
 _EXIT = "exit"  # the value a rank sets on its own wake key to end its listener
 
 
@@ -180,9 +181,9 @@ class HangWatch:
         atexit.register(self.close)
 
     def close(self) -> None:
-        """End both threads (at interpreter exit, or when the group is done with): the timer at
-        once, the listener by waking it through its own key. Waits at most `CLOSE_SECONDS`; a
-        listener that is gone already (its store's host exited) costs nothing."""
+        """End both threads (at exit, or when the group is done with): the timer at once, the
+        listener by waking it through its own key. Waits until both have left, not 5 s: one
+        answering a hang probe cannot be woken (module docstring; tests/exit_race.py)."""
         with self._cv:
             if self._closing:
                 return
@@ -193,18 +194,17 @@ class HangWatch:
         if listener.is_alive():
             with contextlib.suppress(RuntimeError, dist.DistError):
                 self._talk.set(f"wake/{epoch}/{self.rank}", _EXIT)
-        deadline = time.monotonic() + CLOSE_SECONDS
+        leave_by = time.monotonic() + VERDICT_SECONDS + CLOSE_SECONDS  # the longest call
         for thread in self._threads:
-            thread.join(max(deadline - time.monotonic(), 0.0))
-        self._leave_last(deadline)
+            thread.join(max(leave_by - time.monotonic(), 0.0))
+            if thread.is_alive():  # every store call it makes is bounded: a bug
+                logger.warning("rank %d: %s did not stop at exit", self.rank, thread.name)
+        self._leave_last(time.monotonic() + CLOSE_SECONDS)
         atexit.unregister(self.close)
 
     def _leave_last(self, deadline: float) -> None:
-        """Rank 0, which hosts the store under env:// and `slurm-guard local`, leaves after the
-        others' listeners have: leaving first cuts their waits, and torch then prints a C++
-        stack trace ("Failed to recv ... Connection was likely closed") on a clean exit. Each
-        rank says so with one key; rank 0 waits for them until `deadline`, never longer (a
-        crashed rank never says so)."""
+        """Rank 0 (the store's host) leaves after the others' listeners say so with one key, or
+        at `deadline`: leaving first makes torch print a C++ stack trace on a clean exit."""
         with contextlib.suppress(RuntimeError, dist.DistError):
             if self.rank != 0:
                 self._talk.set(f"closed/{self.rank}", _EXIT)
@@ -367,7 +367,7 @@ class HangWatch:
                     here = Position(self.seq, self.armed, self.node, self.what)
                 self._talk.set(f"pos/{epoch}/{self.rank}", encode(here))
                 key = f"verdict/{epoch}"
-                self._listen.wait([key], datetime.timedelta(seconds=COLLECT_SECONDS + 60))
+                self._listen.wait([key], datetime.timedelta(seconds=VERDICT_SECONDS))
                 kind, _, message = self._listen.get(key).decode().partition("\t")
                 if kind == "continue":
                     epoch += 1
