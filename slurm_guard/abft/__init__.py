@@ -17,6 +17,7 @@ from __future__ import annotations
 from slurm_guard.abft.bounds import Roundoff, residual_bound, roundoff, unit_roundoff
 from slurm_guard.abft.checked import CheckedGemm
 from slurm_guard.abft.coverage import Coverage, measure_coverage
+from slurm_guard.abft.shards import ShardLayoutError
 from slurm_guard.abft.site import FWD, GRAD_W, GRAD_X, PASSES, Site
 from slurm_guard.abft.wrap import Abft, Finding, attach, is_conv1d
 
@@ -30,6 +31,7 @@ __all__ = [
     "Coverage",
     "Finding",
     "Roundoff",
+    "ShardLayoutError",
     "Site",
     "attach",
     "is_conv1d",

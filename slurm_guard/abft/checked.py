@@ -37,6 +37,7 @@ from slurm_guard.abft.checksums import (
     stored_is_checked,
     x_blocked,
 )
+from slurm_guard.abft.shards import is_dtensor, local, local_product
 from slurm_guard.abft.site import (
     FWD,
     GRAD_W,
@@ -53,13 +54,17 @@ class CheckedGemm(torch.autograd.Function):
     def forward(
         ctx: Any, x: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None, site: Site
     ) -> torch.Tensor:
-        k = x.shape[-1]
-        x2 = x.reshape(-1, k)
+        x2 = x.reshape(-1, x.shape[-1])
+        sharded = is_dtensor(m) or is_dtensor(x2)
+        # the rank's own operands: the GEMM below runs on DTensors, every check on these
+        x2l, ml = local(x2), local(m)
+        bl = None if bias is None else local(bias)
+        k = x2l.shape[1]
         active = site.active()
-        kernel = site.kernel(FWD, x2, m, bias) if active else None
+        kernel = site.kernel(FWD, x2l, ml, bl) if active else None
         x_stats = None
         if kernel is not None:  # (a Function's forward records no graph: no no_grad needed)
-            x_stats = FusedCheck.before_forward(kernel, site, x2, m)
+            x_stats = FusedCheck.before_forward(kernel, site, x2l, ml)
         if site.kind == "linear":
             out = F.linear(x, m.t(), bias)  # exactly what an unchecked nn.Linear computes
         elif bias is not None:
@@ -67,33 +72,38 @@ class CheckedGemm(torch.autograd.Function):
         else:
             out = (x2 @ m).view(*x.shape[:-1], m.shape[1])
         y = out.reshape(-1, m.shape[1])
+        if sharded and (active or site.injectors):
+            divisor = local_product(site.name, "fwd", x2, m, y)
+            y = local(y)  # a view of the output's own shard: injected faults reach it
+            if bl is not None and divisor > 1:
+                bl = bl / divisor  # what DTensor's Replicate -> Partial left on this rank
         if site.injectors:
             site.inject(FWD, y)
-            if kernel is not None and site.kernel(FWD, x2, m, bias) is None:
+            if kernel is not None and site.kernel(FWD, x2l, ml, bl) is None:
                 kernel = None  # the fault armed the bound probe: the torch path reports bound2
         ctx.site = site
         ctx.in_shape = x.shape
         ctx.x_sq = None
         ctx.x_stats = x_stats
         if site.flops is not None:
-            site.count(x2.shape[0], k, m.shape[1])
+            site.count(x2l.shape[0], k, ml.shape[1])
         if kernel is not None:
             assert x_stats is not None
-            site.results.append((FWD, FusedCheck.forward(kernel, site, x_stats, m, bias, y)))
+            site.results.append((FWD, FusedCheck.forward(kernel, site, x_stats, ml, bl, y)))
         elif active:
             with torch.no_grad(), no_autocast(y.device):
                 block = site.block_for(y.dtype)
-                x_sq = row_sums(squares_into_scratch(x2), block)  # (B, k)
-                col_sq, _ = site.weight_norms(m)
+                x_sq = row_sums(squares_into_scratch(x2l), block)  # (B, k)
+                col_sq, _ = site.weight_norms(ml)
                 ratio = check_product(
                     site,
                     k,
                     block_checksums(y, block),
-                    block_checksums(x2, block),
+                    block_checksums(x2l, block),
                     x_sq.sum(1),
-                    m,
+                    ml,
                     col_sq,
-                    bias,
+                    bl,
                     y,
                     FWD,
                 )
@@ -111,50 +121,59 @@ class CheckedGemm(torch.autograd.Function):
         g = grad_y.reshape(-1, grad_y.shape[-1])
         need_x, need_m, need_b = ctx.needs_input_grad[:3]
         grad_x = grad_m = grad_b = None
-        n, k = x2.shape
         linear = site.kind == "linear"
         counting = site.flops is not None
         active = site.active() and (need_x or need_m)
-        kx = site.kernel(GRAD_X, g, m) if active and need_x else None
-        kw = site.kernel(GRAD_W, g, x2) if active and need_m else None
+        sharded = (active or bool(site.injectors)) and is_dtensor(m)
+        gl, x2l, ml = local(g), local(x2), local(m)  # the checks read the rank's own shards
+        n, k = x2l.shape
+        kx = site.kernel(GRAD_X, gl, ml) if active and need_x else None
+        kw = site.kernel(GRAD_W, gl, x2l) if active and need_m else None
         g_stats = None
         quiet = torch.no_grad() if torch.is_grad_enabled() else NO_CONTEXT  # create_graph
         if kx is not None or kw is not None:
             with quiet:
                 g_stats = native_stats(
                     kx or kw,  # type: ignore[arg-type]
-                    g,
+                    gl,
                     site.block,
                     rows=kx is not None,
-                    cols=kw is not None and not x_blocked(k, g.shape[1]),
+                    cols=kw is not None and not x_blocked(k, gl.shape[1]),
                 )
+        grad_xl = stored_l = None  # the rank's own shards of grad_x and the weight gradient
         if need_x:
-            grad_x = g @ m.t()
+            grad_x = grad_xl = g @ m.t()
+            if sharded:
+                local_product(site.name, "grad_x", g, m, grad_x, m_transposed=True)
+                grad_xl = local(grad_x)
             if site.injectors:
-                site.inject(GRAD_X, grad_x)
-                if kx is not None and site.kernel(GRAD_X, g, m) is None:
+                site.inject(GRAD_X, grad_xl)
+                if kx is not None and site.kernel(GRAD_X, gl, ml) is None:
                     kx = None  # the probe was armed by the fault (see forward)
             if counting:
-                site.count(n, m.shape[1], k)
+                site.count(n, ml.shape[1], k)
             if kx is not None:
                 assert g_stats is not None
                 with quiet:
-                    ratio = FusedCheck.grad_x(kx, site, g_stats, m, grad_x)
+                    ratio = FusedCheck.grad_x(kx, site, g_stats, ml, grad_xl)
                 site.results.append((GRAD_X, ratio))
-        stored = None  # the weight gradient in the weight's layout
-        if need_m:
-            stored = g.t() @ x2 if linear else x2.t() @ g
+        if need_m:  # the weight gradient in the weight's layout
+            stored = stored_l = g.t() @ x2 if linear else x2.t() @ g
+            if sharded:
+                a, b = (g, x2) if linear else (x2, g)
+                local_product(site.name, "grad_w", a, b, stored, a_transposed=True)
+                stored_l = local(stored)
             if site.injectors:
-                site.inject(GRAD_W, stored)
-                if kw is not None and site.kernel(GRAD_W, g, x2) is None:
+                site.inject(GRAD_W, stored_l)
+                if kw is not None and site.kernel(GRAD_W, gl, x2l) is None:
                     kw = None
             grad_m = stored.t() if linear else stored
             if counting:
-                site.count(n, k, m.shape[1])
+                site.count(n, k, ml.shape[1])
             if kw is not None:
                 assert g_stats is not None
                 with quiet:
-                    ratio = FusedCheck.grad_w(kw, site, g_stats, ctx.x_stats, g, x2, stored)
+                    ratio = FusedCheck.grad_w(kw, site, g_stats, ctx.x_stats, gl, x2l, stored_l)
                 site.results.append((GRAD_W, ratio))
         if need_b:
             grad_b = g.sum(0)
@@ -162,11 +181,11 @@ class CheckedGemm(torch.autograd.Function):
             _torch_backward(
                 ctx,
                 site,
-                g,
-                x2,
-                m,
-                grad_x if kx is None else None,
-                stored if kw is None else None,
+                gl,
+                x2l,
+                ml,
+                grad_xl if kx is None else None,
+                stored_l if kw is None else None,
             )
         if grad_x is not None:
             grad_x = grad_x.view(ctx.in_shape)

@@ -6,6 +6,9 @@
   hooks keep working);
 * HuggingFace GPT-2's `Conv1D` (`torch.addmm(bias, x, weight)`), recognised by its name and
   weight layout, so transformers need not be installed;
+* their tensor-parallel shards: DTensor weights and activations (`parallelize_module`'s
+  ColwiseParallel and RowwiseParallel) are checked on each rank's local product (`shards.py`);
+  a layout the local check cannot verify is refused by name;
 * the input and output projections of `torch.nn.MultiheadAttention`, whose functional forward
   calls `F.linear` on its own parameters: those calls are routed through the check while that
   module's forward runs (self-attention's packed projection, or separate q/k/v weights; the
@@ -28,6 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from slurm_guard.abft.checked import CheckedGemm
+from slurm_guard.abft.shards import ShardLayoutError, check_weight, is_dtensor
 from slurm_guard.abft.site import PASSES, Injector, Site
 
 ATTR = "_slurm_guard_abft"
@@ -290,6 +294,11 @@ def attach(
         if id(module) in claimed:
             continue
         if isinstance(module, nn.MultiheadAttention):
+            if any(is_dtensor(p) for p in module.parameters()):
+                raise ShardLayoutError(
+                    f"abft: {name!r} is a MultiheadAttention with DTensor parameters; its "
+                    "packed projections are not checked on shards (run it with abft=False)"
+                )
             by_param: dict[str, Site] = {}
             if module.in_proj_weight is not None:
                 by_param["in_proj_weight"] = new_site(f"{name}.in_proj", "linear")
@@ -300,8 +309,10 @@ def attach(
             claimed.add(id(module.out_proj))
             restore.append(_wrap_attention(module, by_param))
         elif isinstance(module, nn.Linear):
+            check_weight(name, module.weight, module.bias)
             restore.append(_wrap_linear(module, new_site(name, "linear")))
         elif is_conv1d(module):
+            check_weight(name, module.weight, module.bias)
             restore.append(_wrap_conv1d(module, new_site(name, "addmm")))
     handle = Abft(sites)
     handle._restore = restore

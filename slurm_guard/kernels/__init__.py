@@ -11,6 +11,7 @@ __all__ = [
     "abft_triton",
     "bucket",
     "build",
+    "inputs",
     "native",
     "sketch",
     "triton_kernels",

@@ -18,6 +18,7 @@ import ctypes
 import torch
 
 from slurm_guard.kernels import native as _kernels
+from slurm_guard.kernels.inputs import plain
 
 C_SOURCE = "abft_check.c"
 
@@ -93,6 +94,7 @@ def stats(
     """One read of A (n, d): squared norms always; with `row_sign` (n,) the signed row-block sums
     (with a_sq, s_sq); with `col_sign` (d,) the signed column-block sums (with ca_sq, cs_sq).
     A and the signs (float32 +-1, `checked.signs`) must be `eligible`."""
+    plain("abft_native.stats", a, row_sign, col_sign, cpu=True)
     n, d = a.shape
     rows, cols = row_sign is not None, col_sign is not None
     out = Stats(n, d, block, rows, cols)
@@ -119,6 +121,7 @@ def stats(
 def weight_norms(kernel: _Native, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(squared row norms (R,), squared column norms (C,)) of a stored weight (R, C), float64,
     in one read. W must be `eligible`."""
+    plain("abft_native.weight_norms", w, cpu=True)
     r, c = w.shape
     norms = torch.empty(r + c, dtype=torch.float64)
     base = norms.data_ptr()
@@ -145,6 +148,7 @@ def compare(
     or a bound overflowed. a_sq, s_sq: addresses of float64
     (B,) vectors (`Stats.a_sq` and `Stats.s_sq`); m_sq (p,) float64; factors: the bound's five
     numbers (`slurm_guard.abft.bounds.Factors.native`). out, pred and bias must be `eligible`."""
+    plain("abft_native.compare", out, sign, pred, bias, m_sq, cpu=True)
     r, p = out.shape
     return float(
         kernel.compare(
@@ -177,6 +181,7 @@ def compare_transposed(
     """`compare` for a product held transposed: `out_t` (R, C) contiguous is the checked
     product's transpose, pred (ceil(C/block), R) its predicted row-block checksums (no bias),
     sign (C,) the signs of the checked product's rows (out_t's columns)."""
+    plain("abft_native.compare_transposed", out_t, sign, pred, m_sq, cpu=True)
     r, c = out_t.shape
     return float(
         kernel.compare_t(

@@ -30,6 +30,7 @@ import torch
 from torch.nn import functional as F
 
 from slurm_guard.kernels import triton_kernels as _tk
+from slurm_guard.kernels.inputs import plain
 
 triton: Any = None
 tl: Any = None
@@ -248,6 +249,7 @@ def stats(
     """`abft_native.stats` on the device: squared column norms always; with `row_sign` the
     signed row-block sums (with a_sq, s_sq); with `col_sign` the signed column-block sums (with
     cs_sq, ca_sq)."""
+    plain("abft_triton.stats", a, row_sign, col_sign)
     k = _kernels()
     n, d = a.shape
     out = Stats()
@@ -285,6 +287,7 @@ def stats(
 
 def weight_norms(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(squared row norms (R,), squared column norms (C,)) of a stored weight, float64."""
+    plain("abft_triton.weight_norms", w)
     sq = w.square()
     return sq.sum(1, dtype=torch.float64), sq.sum(0, dtype=torch.float64)
 
@@ -321,6 +324,7 @@ def compare(
 ) -> torch.Tensor:
     """`abft_native.compare` on the device: the check of a product `out` (R, p) whose rows are
     blocked, against pred (B, p) (+ the block's sign sum times bias)."""
+    plain("abft_triton.compare", out, sign, pred, bias, a_sq, s_sq, m_sq)
     k = _kernels()
     r, p = out.shape
     nb, tile = -(-r // block), _column_tile(p)
@@ -347,6 +351,7 @@ def compare_transposed(
 ) -> torch.Tensor:
     """`abft_native.compare_transposed` on the device: `out_t` (R, C) is the checked product's
     transpose, pred (ceil(C / block), R), sign (C,) the signs of out_t's columns."""
+    plain("abft_triton.compare_transposed", out_t, sign, pred, a_sq, s_sq, m_sq)
     k = _kernels()
     r, c = out_t.shape
     nc, row_tiles = -(-c // block), -(-r // _ROW_TILE)

@@ -49,6 +49,7 @@ import hashlib
 import torch
 
 from slurm_guard.kernels import native as _kernels
+from slurm_guard.kernels.inputs import plain
 
 CHUNK_LOG2 = 12
 CHUNK = 1 << CHUNK_LOG2  # elements per chunk: 16 KiB of float32
@@ -194,6 +195,7 @@ def native_check(
     divide_by > 1: divides the bucket in place first (float32/float64, contiguous), in the same
     read; the bits of `divide(bucket, divide_by)` followed by `reference_check`.
     """
+    plain("sketch.native_check", bucket, cpu=True)
     data = bucket.detach()
     check_divisor(divide_by, data)
     if not data.is_contiguous():

@@ -34,6 +34,7 @@ import torch
 
 from slurm_guard.kernels import build as _build
 from slurm_guard.kernels import sketch as _sketch
+from slurm_guard.kernels.inputs import plain
 
 logger = logging.getLogger(__name__)
 
@@ -314,6 +315,7 @@ def triton_check(
     """float64 [S, A, nonfinite] of a bucket on its device: the bits of `sketch.reference_check`
     (l1=False: its sketch-only variant). divide_by > 1: the bucket (float32/float64, contiguous)
     is divided in place first, in the same read, as `sketch.divide` would."""
+    plain("triton_kernels.triton_check", bucket)
     with _on(bucket.device):
         return _triton_check(bucket, words, l1, divide_by)
 
@@ -369,6 +371,7 @@ def _triton_check(
 def nh_blocks(raw: torch.Tensor, keys: torch.Tensor, nh_words: int) -> torch.Tensor:
     """int64 [nblocks, 2]: the NH value (mod 2^64, as bits) of each zero-padded block of `raw`
     (a flat uint8 tensor) under the two lanes' keys (int32 [2, nh_words])."""
+    plain("triton_kernels.nh_blocks", raw, keys)
     with _on(raw.device):
         return _nh_blocks(raw, keys, nh_words)
 

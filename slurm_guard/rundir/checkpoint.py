@@ -83,6 +83,38 @@ def rng_state() -> dict[str, torch.Tensor]:
     return rng
 
 
+def object_collectives_problem() -> str | None:
+    """Why torch's object collectives cannot run on this rank, or None.
+
+    A DCP save exchanges its plans with them (`gather_object`, `scatter_object`), and they turn
+    received bytes back into objects with numpy. Without numpy the coordinator fails inside
+    that exchange after the other ranks entered it; DCP does not carry that failure to them,
+    so they would wait in its next collective until the backend's timeout. Asked on every rank
+    before the save, through the agreement, so every rank stops at once with this text."""
+    try:
+        torch.zeros(1, dtype=torch.uint8).numpy()
+    except RuntimeError as exc:
+        return (
+            f"torch's object collectives, which the DCP save needs, cannot run here ({exc}): "
+            "install numpy into this environment (pip install numpy; slurm-guard declares it)"
+        )
+    return None
+
+
+def failure_text(exc: BaseException) -> str:
+    """What a failed save says to every rank: for DCP's CheckpointException (a BaseException,
+    whose text is every failing rank's whole traceback) one line per failing rank, so the cause
+    survives the agreement's cut to a few hundred characters; else the exception's text."""
+    failures = getattr(exc, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return str(exc)
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        error = failure[0] if isinstance(failure, tuple) else failure
+        lines.append(f"rank {rank}: {type(error).__name__}: {error}")
+    return "; ".join(lines)
+
+
 def write_rank_files(
     stage: Path,
     rank: int,

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.distributed.checkpoint import state_dict_loader, state_dict_saver
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
@@ -132,13 +133,16 @@ def save_checkpoint(guard: GuardState) -> Path:
     except Exception as exc:  # any failure must reach every rank, not hang them
         logger.exception("rank %d could not write its RNG file", rank)
         problem = f"checkpoint at step {step}: could not write rank {rank}'s files ({exc})"
+    # what DCP would fail on inside its own exchange, stranding the others: asked first
+    problem = problem or ckpt.object_collectives_problem()
     comm.share_problem(problem, "checkpoint files")
     try:
-        # DCP's own collectives carry a failure on one rank to every rank (CheckpointException)
+        # DCP's own collectives carry a failure of one rank's planning or writing to every rank
+        # (CheckpointException); one inside its exchange would not (`object_collectives_problem`)
         state_dict_saver.save(_state(guard), checkpoint_id=stage)
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # (DCP's own is a BaseException)
         logger.exception("rank %d: the DCP save failed", rank)
-        problem = f"checkpoint at step {step}: the DCP save failed ({exc})"
+        problem = f"checkpoint at step {step}: the DCP save failed ({ckpt.failure_text(exc)})"
     try:
         comm.share_problem(problem, "checkpoint DCP save")
     except GuardError:
