@@ -48,9 +48,64 @@ def _mesh(replicas: int, shards: int, tp: int) -> Any:
     return init_device_mesh("cpu", (shards,), mesh_dim_names=("shard",))
 
 
+def build_titan(seed: int) -> torch.nn.Module:
+    """torchtitan 0.3.0's own debug Llama3 (one layer, SDPA), parallelized by torchtitan itself:
+    `model.parallelize(parallel_dims)` (its TP plan, sequence parallel) then
+    `apply_fsdp_to_decoder` over its "fsdp" mesh, on a ("fsdp", "tp") = 2 x 2 layout.
+
+    Two things for CPU: torchtitan builds its world mesh on `device_type` (cuda), and gloo has
+    no PREMUL_SUM, so FSDP sums and divides separately.
+    """
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
+
+    titan_dims.device_type = "cpu"  # type: ignore[attr-defined]
+    dims = titan_dims.ParallelDims(
+        dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, ep=1, world_size=4,
+        spmd_backend="partial_dtensor",
+    )  # fmt: skip
+    dims.build_mesh()
+    config = model_registry("debugmodel").model
+    config.layers = config.layers[:1]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    set_llama3_sharding_config(config, enable_sp=True)
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = config.build()
+    model.to_empty(device="cpu")
+    model.init_states(buffer_device=torch.device("cpu"))
+    model.parallelize(dims)
+    mesh = dims.get_mesh(["fsdp"])
+    apply_fsdp_to_decoder(model, mesh, torch.float32, torch.float32, pp_enabled=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+    built: torch.nn.Module = model
+    return built
+
+
+def titan_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+
+    tokens = batch[:, :-1]
+    positions = torch.arange(tokens.size(1)).expand_as(tokens)
+    logits = model(tokens, positions)
+    if isinstance(logits, DTensor):
+        logits = logits.full_tensor()
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+
 def _model(mesh: Any, tp: int, seed: int) -> torch.nn.Module:
     from slurm_guard.examples.tiny_llama import TinyLlama, shard_model, shard_model_tp
 
+    if mesh is None:
+        return build_titan(seed)
     torch.manual_seed(seed)
     model = TinyLlama(SMALL)
     return shard_model_tp(model, mesh) if tp > 1 else shard_model(model, mesh)
@@ -60,13 +115,14 @@ def _unguarded(mesh: Any, tp: int, steps: int) -> dict[str, Any]:
     from slurm_guard.examples.tiny_llama import next_token_loss
     from slurm_guard.sharded.vote import local_state
 
+    loss_fn = next_token_loss if mesh is not None else titan_loss
     model = _model(mesh, tp, 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dp_index = dist.get_rank() // tp
     losses = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = next_token_loss(model, batch(step, dp_index))
+        loss = loss_fn(model, batch(step, dp_index))
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
         losses.append(loss.item())
@@ -84,19 +140,23 @@ def train(
     compare: bool = False,
     resume: bool = False,
     save_at: tuple[int, ...] = (),
+    titan: bool = False,
 ) -> dict[str, Any]:
     """Train `steps` guarded (from the resumed step with resume=True); with compare=True,
-    first the same steps unguarded on the same mesh. Returns what the tests read."""
+    first the same steps unguarded on the same mesh. Returns what the tests read.
+
+    `titan`: torchtitan's own Llama3 and parallelization (FSDP2 2 x TP 2) instead."""
     from slurm_guard import GuardConfig, ShardedGuard
     from slurm_guard.examples.tiny_llama import next_token_loss
     from slurm_guard.sharded.vote import local_state
 
-    mesh = _mesh(replicas, shards, tp)
+    mesh = None if titan else _mesh(replicas, shards, tp)
     plain = _unguarded(mesh, tp, steps) if compare else None
     model = _model(mesh, tp, 99 if resume else 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     settings = {"replay_every": 2, "vote_every": 2, "seed": 7, **(config or {})}
-    guard = ShardedGuard(model, optimizer, next_token_loss, run_dir, GuardConfig(**settings))
+    loss_fn = titan_loss if titan else next_token_loss
+    guard = ShardedGuard(model, optimizer, loss_fn, run_dir, GuardConfig(**settings))
     start = guard.resume() if resume else 0
     dp_index = dist.get_rank() // tp
     losses = []
@@ -114,12 +174,15 @@ def train(
     }
 
 
+TRUST_ONE = {"trust_replays": 1}  # a checkpoint is trusted after the next passing replay
+
+
 def train_3x2(run_dir: str, steps: int, compare: bool = False) -> dict[str, Any]:
-    return train(run_dir, steps, shards=3, tp=2, compare=compare, save_at=(2, 4))
+    return train(run_dir, steps, shards=3, tp=2, compare=compare, save_at=(2, 4), config=TRUST_ONE)
 
 
 def resume_3x2(run_dir: str, steps: int) -> dict[str, Any]:
-    return train(run_dir, steps, shards=3, tp=2, resume=True)
+    return train(run_dir, steps, shards=3, tp=2, resume=True, config=TRUST_ONE)
 
 
 def pipeline(run_dir: str, fsdp: bool) -> str:
