@@ -12,6 +12,9 @@ of the same round, which is steadier under drifting load.
 
     python benchmarks/sharded_overhead.py                # HSDP 2 x 2, 5 rounds
     python benchmarks/sharded_overhead.py --fsdp --rounds 3
+    python benchmarks/sharded_overhead.py --tp 2         # FSDP2 + TP: ("dp", "tp") = 2 x 2
+
+Under TP each TP group trains on its data-parallel index's batch (torchtitan's loader).
 """
 
 from __future__ import annotations
@@ -36,14 +39,22 @@ def _batch(step: int, rank: int, width: int) -> torch.Tensor:
     return torch.randint(0, 128, (8, width + 1), generator=gen)
 
 
-def worker(rounds: int, fsdp: bool, run_root: str, seq: int) -> dict[str, list[float]]:
+def worker(rounds: int, fsdp: bool, run_root: str, seq: int, tp: int = 1) -> dict[str, list[float]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import slurm_guard as sg
-    from slurm_guard.examples.tiny_llama import TinyLlama, next_token_loss, shard_model
+    from slurm_guard.examples.tiny_llama import (
+        TinyLlama,
+        next_token_loss,
+        shard_model,
+        shard_model_tp,
+    )
 
     world, rank = dist.get_world_size(), dist.get_rank()
-    if fsdp:
+    if tp > 1:
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        rank //= tp  # the data-parallel index: its TP group shares the batch
+    elif fsdp:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     else:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -55,7 +66,7 @@ def worker(rounds: int, fsdp: bool, run_root: str, seq: int) -> dict[str, list[f
     steps: dict[str, Any] = {}
     for i, (name, config) in enumerate(configs.items()):
         torch.manual_seed(0)
-        model = shard_model(TinyLlama(), mesh)
+        model = shard_model_tp(TinyLlama(), mesh) if tp > 1 else shard_model(TinyLlama(), mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if config is None:
 
@@ -97,6 +108,7 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--fsdp", action="store_true", help="one shard group, no replicas")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree (FSDP2 + TP)")
     parser.add_argument("--out", help="JSON output path (default benchmarks/results/)")
     args = parser.parse_args()
     from slurm_guard.local.launch import run_local
@@ -105,8 +117,8 @@ def main() -> int:
         outcomes = run_local(
             worker,
             args.world,
-            args=(args.rounds, args.fsdp, root, args.seq),
-            nodes=[f"node{r}" for r in range(args.world)],
+            args=(args.rounds, args.fsdp, root, args.seq, args.tp),
+            nodes=[f"node{r // args.tp}" for r in range(args.world)],  # a TP group per node
             timeout=1800,
         )
     bad = [o for o in outcomes if o.status != "ok"]
@@ -119,10 +131,15 @@ def main() -> int:
     for name, series in times.items():
         ratios = [t / p for t, p in zip(series, plain, strict=True)]
         rows.append([name, 1000 * median(series), median(series) / median(plain), median(ratios)])
-    layout = f"FSDP2 1 x {args.world}" if args.fsdp else f"HSDP 2 x {args.world // 2}"
+    if args.tp > 1:
+        layout = f"FSDP2 {args.world // args.tp} x TP {args.tp}"
+    else:
+        layout = f"FSDP2 1 x {args.world}" if args.fsdp else f"HSDP 2 x {args.world // 2}"
     print(f"{layout}, {args.rounds} rounds of {K} steps per variant, interleaved")
     print(table(["variant", "step ms (median)", "ratio of medians", "median ratio"], rows))
     name = "sharded_overhead_fsdp" if args.fsdp else "sharded_overhead_hsdp"
+    if args.tp > 1:
+        name = f"sharded_overhead_tp{args.tp}"
     write_json(name, {"layout": layout, "rounds": args.rounds, "times_s": times}, args.out)
     return 0
 

@@ -27,7 +27,7 @@ from slurm_guard.comm.topology import RankInfo, Topology
 from slurm_guard.local.launch import RankOutcome, run_local
 from slurm_guard.protocol import Verdict
 from slurm_guard.sharded import verdict as v
-from slurm_guard.sharded.replay import Mesh
+from slurm_guard.sharded.layout import Layout
 from slurm_guard.sharded.verdict import judge_shard_vote, judge_sharded_replays
 
 NODES = ["n0", "n1", "n2", "n3"]
@@ -49,13 +49,19 @@ def _ok(outcomes: list[RankOutcome]) -> list[dict[str, object]]:
 # ------------------------------------------------------------------ pure parts
 
 
-def test_mesh_pairs_replay_another_replica_group_and_settle_elsewhere() -> None:
+def Mesh(rows: tuple[tuple[int, ...], ...]) -> Layout:
+    """An HSDP layout without tensor parallel: rows are replica groups."""
+    return Layout(tuple(tuple((r,) for r in row) for row in rows))
+
+
+def test_mesh_pairs_replay_another_data_parallel_index_and_settle_elsewhere() -> None:
     mesh = Mesh(((0, 1), (2, 3)))
-    assert sorted(mesh.pairs(1, 0)) == [(0, 2), (1, 3), (2, 0), (3, 1)]
-    assert mesh.settling_shifts() == (1, 1)  # two groups: another shard position settles
-    assert sorted(mesh.pairs(1, 1)) == [(0, 3), (1, 2), (2, 1), (3, 0)]
-    assert Mesh(((0,), (1,), (2,))).settling_shifts() == (2, 0)
-    assert Mesh(((0,), (1,))).settling_shifts() is None  # two copies and nothing else
+    own_node = mesh.replay_shifts(lambda r: f"n{r}")
+    assert own_node == (1, 2)  # four data-parallel indices: a third opinion is there
+    assert sorted(mesh.pairs(1)) == [(0, 3), (1, 0), (2, 1), (3, 2)]
+    # two ranks per node (0,1 on n0): the first round crosses nodes
+    assert mesh.replay_shifts(lambda r: f"n{r // 2}") == (2, 1)
+    assert Mesh(((0,), (1,))).replay_shifts(str) == (1, None)  # two copies and nothing else
 
 
 def _result(owner: int, replayer: int, good: bool) -> ReplayResult:

@@ -40,6 +40,13 @@ def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
     help="A sharded job: the tiny Llama under HSDP (2 replica groups) and ShardedGuard.",
 )
 @click.option(
+    "--tp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="With --local --sharded: FSDP2 + tensor parallel of this degree, TP ranks per node.",
+)
+@click.option(
     "--nodes",
     type=click.IntRange(min=3),
     default=None,
@@ -102,6 +109,7 @@ def _sbatch_options(values: tuple[str, ...]) -> dict[str, str | bool]:
 def drill_cmd(
     local: bool,
     sharded: bool,
+    tp: int,
     nodes: int | None,
     steps: int,
     via: str,
@@ -121,7 +129,7 @@ def drill_cmd(
     end with weights bit-identical to a clean run. --local runs it on local processes without
     Slurm (25 s on two idle cores, up to two minutes when other work shares them). --sharded
     runs a tiny Llama under HSDP (2 replica groups x shards) with ShardedGuard and DCP
-    checkpoints instead of DDP.
+    checkpoints instead of DDP; with --tp 2, FSDP2 + tensor parallel, a TP pair per node.
 
     The Slurm drill drains a real node (returned to service at the end unless
     --keep-drained) and needs nodes+1 free nodes and a --work-dir on shared storage. With
@@ -133,6 +141,7 @@ def drill_cmd(
         \b
         slurm-guard drill --local
         slurm-guard drill --local --sharded
+        slurm-guard drill --local --sharded --tp 2
         slurm-guard drill --nodes 3 --via sbatch --work-dir /shared/drills --sbatch partition=debug
         slurm-guard drill --slurm --spares 1 --work-dir /shared/drills
     """
@@ -144,13 +153,16 @@ def drill_cmd(
         if local:
             report = run_local_drill(
                 work_dir,
-                nodes=nodes if nodes is not None else 4 if sharded else 3,
+                nodes=nodes if nodes is not None else 4 if sharded and tp == 1 else 3,
                 steps=steps,
                 echo=click.echo,
                 timeout=timeout,
                 sharded=sharded,
+                tp=tp,
             )
         else:
+            if tp > 1:
+                raise click.UsageError("--tp runs with --local only (no Slurm drill for TP yet)")
             if work_dir is None:
                 raise click.UsageError("the Slurm drill needs --work-dir on shared storage")
             opts = SlurmDrillOptions(

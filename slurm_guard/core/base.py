@@ -47,6 +47,30 @@ from slurm_guard.rundir.start import OpenedRun, open_run_dir, write_run_file
 logger = logging.getLogger(__name__)
 
 
+def _refuse_model_parallel_ddp(
+    ddp: DistributedDataParallel, group: dist.ProcessGroup | None
+) -> None:
+    """DDP over tensor-parallel weights, or DDP over part of the ranks (a guard per pipeline
+    stage): sg.Guard would compare different shards, or form one guard per stage that collide
+    on the run directory. Local and the same on every rank, so every rank refuses."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(p, DTensor) for p in ddp.parameters()):
+        raise GuardError(
+            "DDP over DTensors (tensor parallel under DDP) is not supported: sg.Guard compares "
+            "whole replicas. Shard the data-parallel dimension with fully_shard and use "
+            "sg.ShardedGuard (docs/integrations/fsdp.md)"
+        )
+    size, world = dist.get_world_size(group), dist.get_world_size()
+    if size != world:
+        raise GuardError(
+            f"pipeline parallel is not supported: DDP's process group holds {size} of the "
+            f"{world} ranks, so the others train another part of the model (a stage) and a "
+            "guard per stage would replay one stage without the others. sg.Guard guards one "
+            "model replicated over every rank"
+        )
+
+
 class GuardBase:
     """What a guard holds once `_open_run` and `_wire_checks` ran, and the records it writes."""
 
@@ -88,6 +112,8 @@ class GuardBase:
         `setup_fields`: more fields every rank must agree on (`check_same_setup`);
         `allowed_faults` raises for a fault this guard cannot inject.
         """
+        if ddp is not None:
+            _refuse_model_parallel_ddp(ddp, group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         me = local_rank_info(self.rank)

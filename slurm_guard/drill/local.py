@@ -106,13 +106,16 @@ def run_local_drill(
     echo: Echo = print,
     timeout: float = 300.0,
     sharded: bool = False,
+    tp: int = 1,
 ) -> DrillReport:
     """The demo: clean run, faulty run, dry-run controller decision, resume, bit-for-bit check.
 
     `nodes` local processes pose as node1..nodeN (N >= 3: one suspect needs two witnesses);
     the resumed run uses the same names without the suspect (node2; node4 with `sharded`)
     and with node{N+1} in its place. `sharded`: the tiny Llama under HSDP (2 replica groups x
-    N/2 shards) and ShardedGuard instead of DDP and Guard; N must be even.
+    N/2 shards) and ShardedGuard instead of DDP and Guard; N must be even. `tp` > 1 (with
+    `sharded`): FSDP2 over N data-parallel indices x TP `tp`, `tp` ranks on each node (a TP
+    group), as `srun --ntasks-per-node=tp` places them; the fault is on node2's whole TP group.
     """
     from slurm_guard.controller import handle_job
     from slurm_guard.examples.train import TrainSettings, read_result
@@ -123,18 +126,23 @@ def run_local_drill(
 
     if nodes < 3:
         raise DrillError("the drill needs --nodes >= 3: attributing a fault takes two witnesses")
-    if sharded and (nodes < 4 or nodes % 2):
+    if tp > 1 and not sharded:
+        raise DrillError("--tp is for the sharded drill: give --sharded too")
+    if sharded and tp == 1 and (nodes < 4 or nodes % 2):
         raise DrillError("the sharded drill needs an even --nodes >= 4 (2 replica groups)")
     if steps < 25:
         raise DrillError("the drill needs --steps >= 25 (the fault starts at step 17)")
-    fault_spec, fault_rank = drill_fault(sharded)
+    fault_spec, fault_rank = drill_fault(sharded, tp)
     work = make_work_dir(work_dir, "slurm-guard-drill-")
     names = [f"node{i}" for i in range(1, nodes + 1)]
-    suspect = names[fault_rank]
+    placed = [n for n in names for _ in range(tp)]  # rank r runs on placed[r]
+    suspect = placed[fault_rank]
     what = f"HSDP 2x{nodes // 2}, ShardedGuard" if sharded else "DDP"
+    if tp > 1:
+        what = f"FSDP2 {nodes} x TP {tp} ({tp} ranks a node), ShardedGuard"
     report = DrillReport(
-        f"slurm-guard drill --local: {nodes} local processes as nodes {names[0]}..{names[-1]}, "
-        f"{what}, no Slurm, dry-run controller",
+        f"slurm-guard drill --local: {len(placed)} local processes as nodes "
+        f"{names[0]}..{names[-1]}, {what}, no Slurm, dry-run controller",
         work,
     )
     echo(report.title)
@@ -146,20 +154,22 @@ def run_local_drill(
     rec = Recorder(report, echo)
     began = time.monotonic()
     clean_dir, faulty_dir = work / "clean", work / "faulty"
-    clean = TrainSettings(run_dir=str(clean_dir), steps=steps, sharded=sharded)
-    faulty = TrainSettings(run_dir=str(faulty_dir), steps=steps, inject=fault_spec, sharded=sharded)
+    clean = TrainSettings(run_dir=str(clean_dir), steps=steps, sharded=sharded, tp=tp)
+    faulty = TrainSettings(
+        run_dir=str(faulty_dir), steps=steps, inject=fault_spec, sharded=sharded, tp=tp
+    )
     try:
         spawn = time.monotonic()
         outcomes = run_local(
             _local_worker,
-            nodes,
+            len(placed),
             args=(
                 [
                     {"settings": clean, "env": {"SLURM_JOB_ID": CLEAN_JOB_ID}},
                     {"settings": faulty, "env": {"SLURM_JOB_ID": LOCAL_JOB_ID}},
                 ],
             ),
-            nodes=names,
+            nodes=placed,
             timeout=timeout,
         )
         spawn_s = time.monotonic() - spawn
@@ -173,7 +183,7 @@ def run_local_drill(
             result = first["result"]
             check(result["final_step"] == steps, f"stopped at step {result['final_step']}")
             d.append(
-                f"{steps} steps on {nodes} ranks in {first['seconds']:.1f} s "
+                f"{steps} steps on {len(placed)} ranks in {first['seconds']:.1f} s "
                 f"(+{spawn_s - first['seconds'] - times[1]:.1f} s process "
                 f"start); final weights sha256 {short_digest(result['weight_sha256'])}"
             )
@@ -222,7 +232,7 @@ def run_local_drill(
         with rec.stage(f"requeued run on {','.join(resumed_names)} resumes and finishes") as d:
             again = run_local(
                 _local_worker,
-                nodes,
+                len(placed),
                 args=(
                     [
                         {
@@ -231,7 +241,7 @@ def run_local_drill(
                         }
                     ],
                 ),
-                nodes=resumed_names,
+                nodes=[n for n in resumed_names for _ in range(tp)],
                 timeout=timeout,
             )
             rerun = _ranks_ok(again, "requeued run")[0][0]

@@ -30,8 +30,15 @@ its node when Slurm puts 4 tasks on 3 nodes (block layout: ranks 0 and 1 share t
 the fault is one GPU's and its node can be named."""
 
 
-def drill_fault(sharded: bool) -> tuple[str, int]:
+TP_FAULT_SPEC = "kind=grad-scale,node=@rank2,step=17,persistent=1,param=0"
+"""The same schedule for the FSDP2 + TP drill (TP pairs, one per node): rank 2's node is node2,
+both of whose ranks (one TP group, data-parallel index 1) then compute wrong gradients."""
+
+
+def drill_fault(sharded: bool, tp: int = 1) -> tuple[str, int]:
     """The fault the drill injects and the rank whose node it is on (first start)."""
+    if tp > 1:
+        return TP_FAULT_SPEC, 2
     return (SHARDED_FAULT_SPEC, 3) if sharded else (FAULT_SPEC, 1)
 
 

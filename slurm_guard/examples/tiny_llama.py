@@ -26,19 +26,20 @@ class LlamaConfig:
 class Attention(nn.Module):
     def __init__(self, c: LlamaConfig) -> None:
         super().__init__()
-        self.heads = c.heads
+        self.head_dim = c.dim // c.heads
         self.wq = nn.Linear(c.dim, c.dim, bias=False)
         self.wk = nn.Linear(c.dim, c.dim, bias=False)
         self.wv = nn.Linear(c.dim, c.dim, bias=False)
         self.wo = nn.Linear(c.dim, c.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
+        b, t, _ = x.shape
+        # -1 heads: under tensor parallel wq/wk/wv give this rank its own heads only
         q, k, v = (
-            w(x).view(b, t, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
+            w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv)
         )
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        mixed: torch.Tensor = self.wo(out.transpose(1, 2).reshape(b, t, d))
+        mixed: torch.Tensor = self.wo(out.transpose(1, 2).reshape(b, t, -1))
         return mixed
 
 
@@ -93,6 +94,58 @@ def shard_model(model: TinyLlama, mesh: DeviceMesh) -> TinyLlama:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def parallelize_tp(model: TinyLlama, tp_mesh: DeviceMesh) -> TinyLlama:
+    """torchtitan's tensor-parallel plan (`apply_tp`): rowwise embedding into sequence-sharded
+    activations, sequence-parallel norms, colwise wq/wk/wv/w1/w3, rowwise wo/w2 back into
+    sequence shards, a colwise head whose output is gathered (no loss parallel)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    block_plan = {
+        "attention_norm": SequenceParallel(),
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, block_plan)
+    return model
+
+
+def shard_model_tp(model: TinyLlama, mesh: DeviceMesh) -> TinyLlama:
+    """torchtitan's 2-D (or 3-D) layout: the TP plan on `mesh["tp"]`, then `fully_shard` over
+    the data-parallel dimensions (`"dp"`, or `("replicate", "shard")` for HSDP + TP)."""
+    names = mesh.mesh_dim_names or ()
+    dp = mesh["dp"] if "dp" in names else mesh["replicate", "shard"]
+    return shard_model(parallelize_tp(model, mesh["tp"]), dp)
 
 
 def next_token_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:

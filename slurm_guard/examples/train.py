@@ -88,6 +88,7 @@ class TrainSettings:
     inject: str = ""
     threads: int = 1
     sharded: bool = False  # the tiny Llama under HSDP and ShardedGuard (examples.train_sharded)
+    tp: int = 1  # with sharded: FSDP2 + tensor parallel of this degree instead of HSDP
     trust_replays: int = 2
     snapshots: bool = False  # GuardConfig(snapshots=True): node-local verified snapshots
 
@@ -250,6 +251,7 @@ def run_training(settings: TrainSettings) -> dict[str, Any]:
             lr=settings.lr,
             batch_size=settings.batch_size,
             device=device,
+            tp=settings.tp,
         )
         guard, batch_of = job.guard, job.batch
     else:
@@ -383,6 +385,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainSettings:
         "--sharded",
         action="store_true",
         help="train the tiny Llama under HSDP (2 replica groups) with ShardedGuard",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=defaults.tp,
+        help="with --sharded: FSDP2 + tensor parallel of this degree (consecutive ranks)",
     )
     parser.add_argument(
         "--inject",

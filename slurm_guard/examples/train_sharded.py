@@ -23,7 +23,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from slurm_guard.config import GuardConfig
 from slurm_guard.errors import GuardError
-from slurm_guard.examples.tiny_llama import LlamaConfig, TinyLlama, next_token_loss, shard_model
+from slurm_guard.examples.tiny_llama import (
+    LlamaConfig,
+    TinyLlama,
+    next_token_loss,
+    shard_model,
+    shard_model_tp,
+)
 from slurm_guard.sharded.guard import ShardedGuard
 
 SHARDED_MODEL = LlamaConfig(vocab=32, dim=16, heads=2, hidden=32, layers=1)
@@ -40,9 +46,11 @@ class ShardedJob:
     seed: int
     batch_size: int
     device: torch.device
+    tp: int = 1  # tensor-parallel degree: a TP group trains on its data-parallel index's batch
 
     def batch(self, step: int, rank: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(1_000_003 * self.seed + 1000 * step + rank)
+        index = rank // self.tp
+        gen = torch.Generator().manual_seed(1_000_003 * self.seed + 1000 * step + index)
         tokens = torch.randint(0, SHARDED_MODEL.vocab, (self.batch_size, TOKENS), generator=gen)
         return tokens.to(self.device)
 
@@ -55,9 +63,23 @@ def build_sharded_job(
     lr: float,
     batch_size: int,
     device: torch.device,
+    tp: int = 1,
 ) -> ShardedJob:
-    """Mesh, model, optimizer and guard on an initialized process group (collective)."""
+    """Mesh, model, optimizer and guard on an initialized process group (collective).
+
+    `tp` > 1: FSDP2 + TP instead of HSDP, torchtitan's way: the TP plan on `mesh["tp"]`
+    (consecutive ranks, so a TP group shares a node), `fully_shard` over `mesh["dp"]`.
+    """
     world = dist.get_world_size()
+    if tp > 1:
+        if world % tp or world // tp < 2:
+            raise GuardError(f"FSDP2 + TP {tp} needs a multiple of {tp} ranks, >= {2 * tp}")
+        mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        torch.manual_seed(seed)
+        model = shard_model_tp(TinyLlama(SHARDED_MODEL).to(device), mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        guard = ShardedGuard(model, optimizer, next_token_loss, run_dir, config)
+        return ShardedJob(guard, seed, batch_size, device, tp)
     if world < 4 or world % 2:
         raise GuardError(
             f"the sharded example runs HSDP as 2 replica groups x world/2 shards: it needs an "

@@ -3,8 +3,8 @@
 The same calls as `Guard` (`step`, or `capture` / `check` / `update` for a loop the user
 keeps; `save_checkpoint`, `resume`, `exit_on_alarm`), the same run directory, alarm records
 and resume rule, so the controller and the epilog handle a sharded job unchanged. What the
-checks are, and which of them a 1-D (FSDP2) or 2-D (HSDP) mesh allows, is in
-docs/integrations/fsdp.md.
+checks are, and which of them each layout (FSDP2, HSDP, either with tensor parallel) allows,
+is in docs/integrations/fsdp.md; where each rank sits is `sharded.layout`'s.
 """
 
 from __future__ import annotations
@@ -39,27 +39,11 @@ from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.trust import TRUST_POINT
 from slurm_guard.sharded import checkpoint, snapshots
 from slurm_guard.sharded.hooks import ReduceScatterState, fsdp_modules, install
-from slurm_guard.sharded.replay import Mesh
+from slurm_guard.sharded.layout import derive, refuse_pipeline_stage
 from slurm_guard.sharded.verifier import ShardedVerifier
 from slurm_guard.sharded.vote import local_state, shard
 
 HOOK_KINDS = ("activation", "gemm")  # faults the shared injector applies through module hooks
-
-
-def _mesh(model: nn.Module) -> Mesh:
-    """The parameters' device mesh as global ranks: (replicate, shard) or one shard dimension."""
-    param = next(p for p in model.parameters())
-    device_mesh = getattr(param, "device_mesh", None)
-    if device_mesh is None:
-        raise GuardError("ShardedGuard: the model's parameters are not DTensors (no fully_shard?)")
-    ranks = device_mesh.mesh.tolist()
-    if device_mesh.ndim == 1:
-        return Mesh((tuple(ranks),))
-    if device_mesh.ndim == 2:
-        return Mesh(tuple(tuple(row) for row in ranks))
-    raise GuardError(
-        f"ShardedGuard supports 1-D (FSDP) and 2-D (HSDP) meshes, not {device_mesh.ndim}-D"
-    )
 
 
 class ShardedGuard(GuardBase, StepCalls):
@@ -67,7 +51,8 @@ class ShardedGuard(GuardBase, StepCalls):
 
     Args:
         model: the root module wrapped with `fully_shard` (each block first, then the root),
-            on a 1-D mesh (FSDP2) or a 2-D (replicate, shard) mesh (HSDP).
+            on a 1-D mesh (FSDP2) or a 2-D (replicate, shard) mesh (HSDP), optionally after a
+            tensor-parallel plan on its own mesh dimension (torchtitan's `apply_tp`).
         optimizer: the optimizer over the model's (sharded) parameters.
         loss_fn: `loss_fn(model, batch) -> scalar tensor`, called for the step and for replays.
         run_dir: a directory on a filesystem shared by every node and by the controller.
@@ -84,7 +69,8 @@ class ShardedGuard(GuardBase, StepCalls):
     ) -> None:
         if not dist.is_initialized():
             raise GuardError("torch.distributed is not initialized; call init_process_group first")
-        fsdp_modules(model)  # raises unless fully_shard wrapped the root
+        refuse_pipeline_stage(model)
+        units = fsdp_modules(model)  # raises unless fully_shard wrapped the root
         self.config = config if config is not None else GuardConfig()
         if not self.config.deterministic:
             raise GuardError(
@@ -95,14 +81,21 @@ class ShardedGuard(GuardBase, StepCalls):
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.mesh = _mesh(model)
-        if self.mesh.shards < 2:  # the same on every rank: no collective is left waiting
+        # Every refusal here is local and the same on every rank: no collective is left waiting.
+        self.layout = derive(model, units, dist.get_world_size())
+        if self.layout.shards < 2:
             raise GuardError(
-                f"ShardedGuard needs 2 or more shards per replica group, not a {self.mesh.replicas}"
-                "x1 mesh: with one shard FSDP2 skips the reduce-scatter whose input the guard "
-                "checks. Replication alone is data parallelism: use DDP and sg.Guard"
+                f"ShardedGuard needs 2 or more shards per replica group, not a "
+                f"{self.layout.replicas}x1 mesh: with one shard FSDP2 skips the reduce-scatter "
+                "whose input the guard checks. Replication alone is data parallelism: use DDP "
+                "and sg.Guard"
             )
-        mesh_field = {"mesh (replicas x shards)": repr((self.mesh.replicas, self.mesh.shards))}
+        if self.config.abft and self.layout.tp > 1:
+            raise GuardError(
+                "GuardConfig(abft=True) under tensor parallel is not supported yet: the checked "
+                "GEMMs take plain tensors and TP's weights are DTensors (docs/integrations/fsdp.md)"
+            )
+        mesh_field = {"layout": self.layout.describe(), "ranks": repr(self.layout.grid)}
         self._open_run(
             group=None,
             module=model,
@@ -125,7 +118,7 @@ class ShardedGuard(GuardBase, StepCalls):
         self.verifier = ShardedVerifier(
             comm=self.comm,
             topology=self.topology,
-            mesh=self.mesh,
+            layout=self.layout,
             model=model,
             loss_fn=loss_fn,
             state=self.rs_state,
@@ -140,7 +133,11 @@ class ShardedGuard(GuardBase, StepCalls):
         self._open = None
         self._checked = None
         self._rng_at_begin: dict[str, torch.Tensor] | None = None  # a trust point's RNG
-        self._trust_points = self.mesh.replicas == 1 and self.abft is not None
+        self._trust_points = self.layout.replicas == 1 and self.abft is not None
+        # No copy to vote on (FSDP2, FSDP2 + TP): snapshots follow the checked steps instead.
+        self._snap_at_checks = self.layout.replicas == 1 and (
+            self._trust_points or self.layout.dp_indices >= 2
+        )
         # Verified shards in node-local memory, copied to a peer node (GuardConfig.snapshots).
         self.snapshots = snapshots.attach(self) if self.config.snapshots else None
         self._record_start()
@@ -207,10 +204,10 @@ class ShardedGuard(GuardBase, StepCalls):
             self.abft.reset()
         self.injector.step = step
         seed = self.fingerprinter.seed
-        verify = self.mesh.replicas > 1 and self.config.is_replay_step(step, seed)
+        verify = self.layout.dp_indices > 1 and self.config.is_replay_step(step, seed)
         if (
             self.snapshots is not None
-            and self._trust_points
+            and self._snap_at_checks
             and self.config.is_replay_step(step, seed)
         ):
             self._rng_at_begin = rng_state()  # what a snapshot of this step's start restores
@@ -235,7 +232,8 @@ class ShardedGuard(GuardBase, StepCalls):
             self.verified_steps.append(plan.step)
         if result.finding is not None:
             self.alarm(result.finding, plan.step, update_applied=False)
-        if trusted and self.snapshots is not None:
+        checked = trusted or (result.verified and self._snap_at_checks)
+        if checked and result.finding is None and self.snapshots is not None:
             # the state this checked step started from, before the update changes it
             self._snapshot(plan.step, self.shard_fingerprint(), self._rng_at_begin)
         if self.snapshots is not None:
@@ -265,7 +263,7 @@ class ShardedGuard(GuardBase, StepCalls):
     def _updated(self, plan: StepPlan, result: StepResult) -> None:
         if not result.skip_update:
             self._flip_weights()
-            if self.mesh.replicas > 1 and self.config.is_vote_step(plan.step):
+            if self.layout.replicas > 1 and self.config.is_vote_step(plan.step):
                 self.vote(plan.step)
         self.step_count = plan.step + 1
         self.comm.disarm()  # user code until the next step is not watched
@@ -284,7 +282,7 @@ class ShardedGuard(GuardBase, StepCalls):
     def vote(self, step: int) -> None:
         """The shard vote on the state after `step`'s update (nothing to compare without
         replica groups: FSDP2 alone keeps one copy of each shard)."""
-        if self.mesh.replicas > 1:
+        if self.layout.replicas > 1:
             lanes = self.shard_fingerprint()
             finding = self.verifier.vote(step, lanes)
             if finding is not None:

@@ -23,7 +23,8 @@ from slurm_guard.checks.verdicts import (
 )
 from slurm_guard.comm.topology import Topology
 from slurm_guard.protocol import Check, Verdict
-from slurm_guard.sharded.replay import Mesh, ReplayValues
+from slurm_guard.sharded.layout import Layout
+from slurm_guard.sharded.replay import ReplayValues
 
 (
     LOCAL_NONFINITE,
@@ -78,6 +79,39 @@ def replay_results(
     return out
 
 
+def judge_by_tp(
+    first: list[ReplayResult],
+    second: list[ReplayResult] | None,
+    topology: Topology,
+    layout: Layout,
+) -> Finding | None:
+    """Judge each TP index's comparisons on their own, then join the findings.
+
+    Ranks at different TP indices never compare with each other, so a fault on one rank of a
+    node fails comparisons at its TP index only, and one on the whole node fails them at every
+    index: judged together, the second would have no common rank. The joined finding is `sdc`
+    only if every TP index's is; its suspects are all of theirs.
+    """
+    findings = []
+    for t in range(layout.tp):
+        mine = [r for r in first if layout.tp_index(r.owner) == t]
+        settle = [r for r in second if layout.tp_index(r.owner) == t] if second else None
+        finding = judge_sharded_replays(mine, settle, topology)
+        if finding is not None:
+            findings.append(finding)
+    if len(findings) <= 1:
+        return findings[0] if findings else None
+    sdc = all(f.verdict == Verdict.SDC for f in findings)
+    suspects = tuple(sorted({r for f in findings for r in f.suspect_ranks}))
+    return Finding(
+        Check.REPLAY,
+        Verdict.SDC if sdc else Verdict.AMBIGUOUS,
+        suspects,
+        "; ".join(f.message for f in findings),
+        {"by_tp_index": [f.evidence for f in findings]},
+    )
+
+
 def judge_sharded_replays(
     first: list[ReplayResult], second: list[ReplayResult] | None, topology: Topology
 ) -> Finding | None:
@@ -108,9 +142,12 @@ def judge_sharded_replays(
 
 
 def judge_conservation(
-    rows: Sequence[Sequence[int]], mesh: Mesh, bound: Callable[[list[float]], float]
+    rows: Sequence[Sequence[int]], layout: Layout, bound: Callable[[list[float]], float]
 ) -> Finding | None:
     """Each shard group's reduce-scatters must conserve the sum of their inputs.
+
+    A shard group is one replica's ranks at one TP index (`Layout.shard_groups`): the ranks a
+    reduce-scatter runs over. Under tensor parallel each TP index reduces its own gradients.
 
     `bound(l1_norms)` is the rounding tolerance for one group's inputs. A group over it got a
     wrong reduction: the wrong value is in every rank's copy of that shard after HSDP's
@@ -118,7 +155,7 @@ def judge_conservation(
     `ambiguous` with no suspect, as for the DDP guard's all-reduce (the group is in the evidence).
     """
     bad = []
-    for i, group in enumerate(mesh.ranks):
+    for i, group in enumerate(layout.shard_groups()):
         residual = sum(bits_to_float(rows[r][CONSERVE_RESIDUAL]) for r in group)
         limit = bound([bits_to_float(rows[r][CONSERVE_L1]) for r in group])
         if not abs(residual) <= limit:  # NaN fails too
@@ -155,16 +192,20 @@ def judge_abft(rows: Sequence[Sequence[int]], where: Sequence[str]) -> Finding |
     )
 
 
-def judge_shard_vote(fingerprints: Sequence[int], mesh: Mesh) -> Finding | None:
-    """Each shard position's replicas must hold identical state: vote column by column.
+def judge_shard_vote(fingerprints: Sequence[int], layout: Layout) -> Finding | None:
+    """Each shard's copies must hold identical state: vote copy set by copy set.
 
+    The copies of a shard are the ranks at one (shard, TP) coordinate in every replica
+    (`Layout.copies`); ranks at different TP indices hold different state and never vote
+    together.
     A strict majority within a column names the odd rank out (three or more replica groups);
     with two, a disagreement is caught but cannot be attributed (ambiguous, both ranks named).
     """
     findings = []
-    for j in range(mesh.shards):
-        column = [mesh.ranks[i][j] for i in range(mesh.replicas)]
-        finding = judge_vote([fingerprints[r] for r in column], what=f"shard {j} state")
+    for column in layout.copies():
+        _, j, t = layout.coordinate(column[0])
+        what = f"shard {j} state" + (f" at TP index {t}" if layout.tp > 1 else "")
+        finding = judge_vote([fingerprints[r] for r in column], what=what)
         if finding is not None:
             findings.append((finding, column))
     if not findings:

@@ -26,11 +26,10 @@ from slurm_guard.fingerprint.tree import as_int, lanes_to_int
 from slurm_guard.protocol import Check, Verdict
 from slurm_guard.sharded import verdict as v
 from slurm_guard.sharded.hooks import ReduceScatterState
-from slurm_guard.sharded.replay import Mesh, ReplayValues, replay_step
+from slurm_guard.sharded.layout import Layout
+from slurm_guard.sharded.replay import ReplayValues, replay_step
 
 logger = logging.getLogger(__name__)
-
-FIRST_ROUND = (1, 0)  # replica group i replays group i+1, same shard position
 
 
 class ShardedVerifier:
@@ -41,7 +40,7 @@ class ShardedVerifier:
         *,
         comm: Collective,
         topology: Topology,
-        mesh: Mesh,
+        layout: Layout,
         model: nn.Module,
         loss_fn: LossFn,
         state: ReduceScatterState,
@@ -52,7 +51,9 @@ class ShardedVerifier:
     ) -> None:
         self.comm = comm
         self.topology = topology
-        self.mesh = mesh
+        self.layout = layout
+        # (first, settling) shifts of the data-parallel index: replays on other nodes
+        self.first_shift, self.settling_shift = layout.replay_shifts(topology.node_of)
         self.model = model
         self.loss_fn = loss_fn
         self.state = state
@@ -66,9 +67,9 @@ class ShardedVerifier:
     def rank(self) -> int:
         return self.comm.rank
 
-    def _replay(self, captured: Captured, shifts: tuple[int, int], key: str) -> ReplayValues:
-        """Send my step to my replayer, receive my owner's, and recompute it with my group."""
-        pairs = self.mesh.pairs(*shifts)
+    def _replay(self, captured: Captured, shift: int, key: str) -> ReplayValues:
+        """Send my step to my replayer, receive my owner's, and recompute it with everyone."""
+        pairs = self.layout.pairs(shift)
         received = exchange(pairs, captured, self.rank, self.comm)
         owner = next(o for o, r in pairs if r == self.rank)
 
@@ -86,13 +87,11 @@ class ShardedVerifier:
             owner = replays[failed[0]][0]
             raise RankFailed(f"step {step}: the replay of rank {owner}'s step", failed, node, cause)
 
-    def round(
-        self, step: int, captured: Captured, shifts: tuple[int, int], purpose: str
-    ) -> list[list[int]]:
+    def round(self, step: int, captured: Captured, shift: int, purpose: str) -> list[list[int]]:
         """An extra replay round (triage, settling): every rank's [owner, loss, grad, nonfinite,
         failed]."""
         key = f"sharded-replay/{step}/{purpose}"
-        r = self._replay(captured, shifts, key)
+        r = self._replay(captured, shift, key)
         row = [r.owner, r.loss, r.grad, int(r.nonfinite), int(r.failed)]
         replays = self.comm.all_gather_rows(row, f"step {step}: {purpose} replays")
         self._raise_if_failed(step, replays, key)
@@ -121,9 +120,9 @@ class ShardedVerifier:
         rounding = self.state.conservation.bound_inputs()
         own_grad, replayed = 0, ReplayValues()
         key = f"sharded-replay/{step}/ring"
-        if verify:
+        if verify and self.first_shift is not None:
             own_grad = as_int(self.state.input_fingerprint())  # before the replay resets it
-            replayed = self._replay(captured, FIRST_ROUND, key)
+            replayed = self._replay(captured, self.first_shift, key)
         fields = upload(v.replay_fields(own_grad, replayed), torch.int64, device)
         row = torch.cat(
             [
@@ -162,7 +161,7 @@ class ShardedVerifier:
             def bound(l1: list[float]) -> float:
                 return conservation_bound(l1, u, largest, buckets=calls, world=size)
 
-            conservation = v.judge_conservation(rows, self.mesh, bound)
+            conservation = v.judge_conservation(rows, self.layout, bound)
             if conservation is not None:
                 self.ledger(step, Check.CONSERVATION, False, conservation.evidence)
                 return StepResult(conservation, True)
@@ -170,10 +169,10 @@ class ShardedVerifier:
             return StepResult(None, False)
         results = v.replay_results(rows, first)
         second = None
-        shifts = self.mesh.settling_shifts()
-        if not all(r.matches for r in results) and shifts is not None:
-            second = v.replay_results(rows, self.round(step, captured, shifts, "settling"))
-        finding = v.judge_sharded_replays(results, second, self.topology)
+        settle = self.settling_shift
+        if not all(r.matches for r in results) and settle is not None:
+            second = v.replay_results(rows, self.round(step, captured, settle, "settling"))
+        finding = v.judge_by_tp(results, second, self.topology, self.layout)
         self.ledger(step, Check.REPLAY, finding is None, {"comparisons": len(results)})
         if finding is not None:
             return StepResult(finding, True)
@@ -190,13 +189,13 @@ class ShardedVerifier:
         self, step: int, rows: list[list[int]], replays: list[list[int]] | None, captured: Captured
     ) -> StepResult:
         """A NaN/Inf in some rank's unreduced gradient: hardware only if another replica
-        group's replay of the same microbatch does not reproduce it."""
+        index's replay of the same microbatch (same TP index) does not reproduce it."""
         flagged = [r for r, row in enumerate(rows) if row[v.LOCAL_NONFINITE]]
-        if self.mesh.replicas < 2:
+        if self.first_shift is None:
             finding = judge_nonfinite(flagged, {}, Check.FINITE_LOCAL, unreplayed=flagged)
         else:
             if replays is None:
-                replays = self.round(step, captured, FIRST_ROUND, "nan triage")
+                replays = self.round(step, captured, self.first_shift, "nan triage")
             reproduced = {rep[0]: bool(rep[3]) for rep in replays if rep[0] >= 0}
             finding = judge_nonfinite(flagged, reproduced, Check.FINITE_LOCAL)
         self.ledger(step, Check.FINITE_LOCAL, False, {"verdict": finding.verdict})
@@ -215,6 +214,6 @@ class ShardedVerifier:
         """The shard vote: every rank's shard fingerprint, judged column by column."""
         rows = self.comm.all_gather_rows(lanes, f"step {step}: shard vote")
         values = [lanes_to_int(r) for r in rows]
-        finding = v.judge_shard_vote(values, self.mesh)
+        finding = v.judge_shard_vote(values, self.layout)
         self.ledger(step, Check.VOTE, finding is None, {"fingerprint": f"{values[self.rank]:016x}"})
         return finding

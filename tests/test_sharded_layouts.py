@@ -1,0 +1,200 @@
+"""ShardedGuard in the layouts large runs use: FSDP2, HSDP, FSDP2 + TP, HSDP + TP (and DDP).
+
+Real processes on gloo, torchtitan's TP plan on the tiny Llama, two ranks per node where a TP
+pair shares one (SLURMD_NODENAME per rank, as `srun --ntasks-per-node=2` sets it). Kept few
+and small: the 6- and 8-rank launches are the expensive ones on CI's two cores.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sharded_layout_workers import ddp_clean, ddp_over_tp, pipeline, resume_3x2, train, train_3x2
+
+from slurm_guard.checks.verdicts import ReplayResult
+from slurm_guard.comm.topology import RankInfo, Topology
+from slurm_guard.local.launch import RankOutcome, run_local
+from slurm_guard.protocol import Verdict
+from slurm_guard.sharded.layout import Layout
+from slurm_guard.sharded.verdict import judge_by_tp
+
+PAIRS = ["node1", "node1", "node2", "node2", "node3", "node3"]  # dp=3 x tp=2, 2 ranks a node
+ONE_EACH = ["node1", "node2", "node3", "node4"]
+
+
+def _values(outcomes: list[RankOutcome]) -> list[dict[str, Any]]:
+    assert [o.status for o in outcomes] == ["ok"] * len(outcomes), [o.value for o in outcomes]
+    return [o.value for o in outcomes]
+
+
+def _alarm(outcomes: list[RankOutcome]) -> dict[str, Any]:
+    assert [o.status for o in outcomes] == ["alarm"] * len(outcomes), [o.value for o in outcomes]
+    alarms = [json.loads(o.value) if isinstance(o.value, str) else o.value for o in outcomes]
+    assert len({a["alarm_id"] for a in alarms}) == 1  # every rank raised the same record
+    alarm: dict[str, Any] = alarms[0]
+    return alarm
+
+
+def _identical(values: list[dict[str, Any]]) -> None:
+    """Guarded and unguarded runs of one launch: the same loss bits and shards on every rank."""
+    for v in values:
+        assert v["losses"] == v["plain"]["losses"]  # Python floats compared exactly
+        assert v["digest"] == v["plain"]["digest"]
+        assert v["verified"]  # replays ran and passed: they did not change training
+
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_replays_pair_data_parallel_indices_at_one_tp_index_on_other_nodes() -> None:
+    layout = Layout((((0, 1), (2, 3), (4, 5)),))  # FSDP2 over 3 indices x TP 2
+    assert (layout.dp_indices, layout.tp, layout.describe()) == (3, 2, "FSDP2 3 x TP 2")
+    first, settle = layout.replay_shifts(lambda r: PAIRS[r])
+    assert (first, settle) == (1, 2)
+    for owner, replayer in layout.pairs(first):
+        assert layout.tp_index(owner) == layout.tp_index(replayer)
+        assert PAIRS[owner] != PAIRS[replayer]
+    assert layout.shard_groups() == [[0, 2, 4], [1, 3, 5]]  # each TP index reduces its own
+    assert layout.copies() == [[0], [1], [2], [3], [4], [5]]  # no replica: nothing to vote on
+    hsdp_tp = Layout((((0, 1), (2, 3)), ((4, 5), (6, 7))))
+    assert hsdp_tp.copies() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert Layout((((0, 1), (2, 3)),)).replay_shifts(str) == (1, None)  # two: no third
+
+
+def _r(owner: int, replayer: int, good: bool) -> ReplayResult:
+    return ReplayResult(owner, replayer, 1, 5, 1, 5 if good else 6)
+
+
+def test_a_fault_on_a_whole_node_is_judged_per_tp_index() -> None:
+    """Both ranks of node2 wrong: no rank is common to all four failed comparisons, but each
+    TP index's two failures share one rank, and both are on node2."""
+    layout = Layout((((0, 1), (2, 3), (4, 5)),))
+    topology = Topology.build([RankInfo(r, n, "h") for r, n in enumerate(PAIRS)])
+    first = [_r(o, rep, "node2" not in (PAIRS[o], PAIRS[rep])) for o, rep in layout.pairs(1)]
+    finding = judge_by_tp(first, None, topology, layout)
+    assert finding is not None and finding.verdict == Verdict.SDC
+    assert finding.suspect_ranks == (2, 3)
+
+
+# ------------------------------------------------------------------ dp=3 x tp=2, 3 nodes
+
+
+@pytest.mark.distributed
+def test_fsdp_tp_3x2_catches_a_node_fault_and_resumes_elsewhere_bit_identically(
+    tmp_path: Path,
+) -> None:
+    clean = _values(run_local(train_3x2, 6, args=(str(tmp_path / "clean"), 5, True), nodes=PAIRS))
+    _identical(clean)
+    assert clean[0]["layout"] == "FSDP2 3 x TP 2"
+    run = str(tmp_path / "run")
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,node=node2,step=3,persistent=1"}
+    alarm = _alarm(run_local(train_3x2, 6, args=(run, 5), nodes=PAIRS, extra_env=inject))
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "sdc", 4)
+    assert alarm["suspect_nodes"] == ["node2"] and alarm["suspect_ranks"] == [2, 3]
+    assert alarm["injected"] is True and alarm["last_verified_step"] == 2
+    # the relaunch on node1, node3, node4: from the checkpoint of step 2 (at the onset: 3)
+    elsewhere = ["node1", "node1", "node3", "node3", "node4", "node4"]
+    resumed = _values(run_local(resume_3x2, 6, args=(run, 5), nodes=elsewhere))
+    for a, b in zip(clean, resumed, strict=True):
+        assert b["start"] == 2
+        assert b["losses"] == a["losses"][2:] and b["digest"] == a["digest"]
+
+
+@pytest.mark.distributed
+def test_fsdp_tp_3x2_names_the_one_wrong_rank_of_a_node(tmp_path: Path) -> None:
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,rank=3,step=1,persistent=1"}
+    outcomes = run_local(train_3x2, 6, args=(str(tmp_path), 3), nodes=PAIRS, extra_env=inject)
+    alarm = _alarm(outcomes)
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "sdc", 2)
+    assert alarm["suspect_ranks"] == [3] and alarm["suspect_nodes"] == ["node2"]
+
+
+# ------------------------------------------------------------------ 4 ranks
+
+
+TP22 = functools.partial(train, shards=2, tp=2)
+FSDP4 = functools.partial(train, shards=4)
+
+
+@pytest.mark.distributed
+def test_fsdp_tp_2x2_a_rank_fault_convicts_nobody(tmp_path: Path) -> None:
+    """(Its clean run: test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one.)"""
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,rank=3,step=1,persistent=1"}
+    alarm = _alarm(run_local(TP22, 4, args=(str(tmp_path), 3), nodes=PAIRS[:4], extra_env=inject))
+    # two data-parallel indices: rank 3 and its partner disagree, and no third index settles
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "ambiguous", 2)
+    assert 3 in alarm["suspect_ranks"] and set(alarm["suspect_ranks"]) <= {1, 3}
+
+
+@pytest.mark.distributed
+def test_plain_fsdp2_replays_and_names_the_node_of_a_gradient_fault(tmp_path: Path) -> None:
+    """No replica, abft off: the replay across data-parallel indices catches it."""
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,node=node2,step=1,persistent=1"}
+    outcomes = run_local(FSDP4, 4, args=(str(tmp_path), 3), nodes=ONE_EACH, extra_env=inject)
+    alarm = _alarm(outcomes)
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "sdc", 2)
+    assert alarm["suspect_nodes"] == ["node2"] and alarm["suspect_ranks"] == [1]
+
+
+# FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below.
+LAYOUTS = {
+    "fsdp2": (4, functools.partial(train, shards=4, compare=True)),
+    "hsdp": (4, functools.partial(train, shards=2, replicas=2, compare=True)),
+    "hsdp+tp": (8, functools.partial(train, shards=2, replicas=2, tp=2, compare=True)),
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one(
+    tmp_path: Path, name: str
+) -> None:
+    world, worker = LAYOUTS[name]
+    nodes = [f"node{r // 2 + 1}" for r in range(world)]
+    _identical(_values(run_local(worker, world, args=(str(tmp_path), 3), nodes=nodes)))
+
+
+@pytest.mark.distributed
+def test_ddp_guarded_clean_run_is_bit_identical_to_the_unguarded_one(tmp_path: Path) -> None:
+    (value, _) = _values(run_local(ddp_clean, 2, args=(str(tmp_path), 3), nodes=ONE_EACH[:2]))
+    assert value["guarded"] == value["plain"]
+
+
+# ------------------------------------------------------------------ refused by name
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fsdp", [True, False], ids=["fully_shard-stages", "ddp-stages"])
+def test_a_two_stage_pipeline_is_refused_by_name(tmp_path: Path, fsdp: bool) -> None:
+    said = _values(run_local(pipeline, 4, args=(str(tmp_path), fsdp), nodes=ONE_EACH))
+    assert all("pipeline parallel is not supported" in s for s in said), said
+
+
+@pytest.mark.distributed
+def test_ddp_over_tensor_parallel_weights_is_refused(tmp_path: Path) -> None:
+    said = _values(run_local(ddp_over_tp, 2, args=(str(tmp_path),), nodes=ONE_EACH[:2]))
+    assert all("DDP over DTensors" in s or s.startswith("DDP:") for s in said), said
+
+
+@pytest.mark.distributed
+def test_torchtitan_llama3_with_its_own_tp_and_fsdp_is_placed_and_bit_identical(
+    tmp_path: Path,
+) -> None:
+    """torchtitan 0.3.0's Llama3, parallelized by torchtitan (`model.parallelize`, then
+    `apply_fsdp_to_decoder`): the guard places it as FSDP2 2 x TP 2 from its own placements,
+    replays it, and trains it bit-identically to the unguarded run."""
+    try:
+        import torchtitan.models.llama3  # noqa: F401
+    except ImportError as exc:
+        if os.environ.get("SLURM_GUARD_REQUIRE_TORCHTITAN") == "1":
+            raise
+        pytest.skip(f"torchtitan 0.3.0 is not installed: {exc}")
+    titan = functools.partial(train, shards=2, tp=2, titan=True, compare=True)
+    values = _values(run_local(titan, 4, args=(str(tmp_path), 3), nodes=PAIRS[:4]))
+    assert values[0]["layout"] == "FSDP2 2 x TP 2"
+    _identical(values)
