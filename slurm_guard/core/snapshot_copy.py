@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from slurm_guard.rundir.snapshots import SnapshotSeal, SnapshotStore
+from slurm_guard.rundir.snapshots import SnapshotSeal, SnapshotStore, SnapshotsUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +162,8 @@ class SnapshotCopier:
         except Exception as exc:  # a cache that failed: logged, never the run's failure
             self.stats.failed += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
-            logger.warning("snapshot at step %s not written: %s", seal.get("step"), exc)
+            if not isinstance(exc, SnapshotsUnavailable):  # that one was named once already
+                logger.warning("snapshot at step %s not written: %s", seal.get("step"), exc)
 
     def wait(self) -> None:
         """Until the snapshot in flight (if any) is written or has failed."""
