@@ -10,7 +10,7 @@ private root itself belongs to this user alone (0700), everything below it is cr
 `fstat`). A path that fails a check is never used; the error names the component and the fix.
 
 Root code (the node epilog, `rundir.node_epilog`) removes what a job left through directory
-descriptors (`shutil.rmtree(dir_fd=...)`, which never follows a link) and only what the job's user
+descriptors (`remove_tree_at`, which never follows a link) and only what the job's user
 owns. Torch-free: the epilog imports this module.
 """
 
@@ -20,7 +20,6 @@ import errno
 import logging
 import os
 import pwd
-import shutil
 import stat
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -38,6 +37,7 @@ __all__ = [
     "owner_name",
     "private_subdir",
     "remove_owned_dirs",
+    "remove_tree_at",
 ]
 
 DIR_MODE = 0o700
@@ -213,12 +213,31 @@ def open_private_file(path: Path) -> Iterator[int]:
         os.close(fd)
 
 
+def remove_tree_at(dir_fd: int, name: str) -> None:
+    """Remove directory `name` in `dir_fd` and everything in it, through descriptors only.
+
+    Each directory is opened with O_NOFOLLOW relative to its parent's descriptor, so a link is
+    unlinked, never followed, even one swapped in meanwhile (the open then fails). What
+    `shutil.rmtree(dir_fd=...)` does on Python 3.11+, here for 3.10 too.
+    """
+    fd = _open_dir(Path(name), dir_fd=dir_fd)
+    try:
+        for entry in os.scandir(fd):
+            if entry.is_dir(follow_symlinks=False):
+                remove_tree_at(fd, entry.name)
+            else:
+                os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=dir_fd)
+
+
 def remove_owned_dirs(root: Path, uid: int, wanted: str) -> tuple[list[str], list[str]]:
     """Remove the directories in `root` named `wanted` or `wanted-*` that `uid` owns.
 
     For root code: `root` itself must be a directory `uid` owns, reached without following a
     link in its last component (the directories above it are the site's configuration); nothing
-    below it is ever followed (`shutil.rmtree` through descriptors). Returns (removed, refused
+    below it is ever followed (`remove_tree_at`). Returns (removed, refused
     with why). Raises OSError when `root` cannot be opened or is not `uid`'s.
     """
     parent_fd = os.open(root.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -243,7 +262,7 @@ def remove_owned_dirs(root: Path, uid: int, wanted: str) -> tuple[list[str], lis
             elif st.st_uid != uid:
                 refused.append(f"{root / name}: belongs to {owner_name(st.st_uid)}")
             else:
-                shutil.rmtree(name, dir_fd=root_fd)
+                remove_tree_at(root_fd, name)
                 removed.append(str(root / name))
     finally:
         os.close(root_fd)
