@@ -5,21 +5,24 @@
 # tasks are gone. A requeued job keeps its id and starts over on its nodes, so its snapshots go
 # too; an in-job restart is not the end of the job and keeps them.
 #
-# Set SLURM_GUARD_SNAPSHOT_DIR here if the site keeps snapshots elsewhere than the default
-# (the jobs' GuardConfig(snapshot_dir=...)). It always exits 0: a failing node Epilog drains the
-# node, and a leftover directory in /dev/shm is no reason to.
-root="${SLURM_GUARD_SNAPSHOT_DIR:-/dev/shm/slurm-guard}"
-case "$root" in
-*"{node}"*) root=$(printf '%s' "$root" | sed "s/{node}/${SLURMD_NODENAME:-}/g") ;;
-esac
-job="${SLURM_JOB_ID:-}"
-case "$job" in
-"" | .* | *[!A-Za-z0-9._-]*)
-    echo "slurm-guard-node-epilog: no usable SLURM_JOB_ID ('$job'): nothing removed" >&2
-    exit 0
-    ;;
-esac
-if [ -d "$root/$job" ]; then
-    rm -rf -- "${root:?}/$job" || echo "slurm-guard-node-epilog: could not remove $root/$job" >&2
-fi
+# The work is done by `python -m slurm_guard.rundir.node_epilog` (no torch import): it removes
+# only <root>/<job>[-<run id>] directories that belong to the job's user (SLURM_JOB_UID), inside
+# a root that belongs to that user, and never follows a link (docs/admin-guide.md, "What
+# slurm-guard keeps on a node").
+#
+# Site settings come from /etc/default/slurm-guard (optional), for example:
+#   SLURM_GUARD_PYTHON=/opt/slurm-guard/venv/bin/python   (a Python with slurm-guard installed)
+#   SLURM_GUARD_SNAPSHOT_DIR=/local/nvme/slurm-guard-{uid}  (the jobs' snapshot_dir, if not the
+#                                                           default /dev/shm/slurm-guard-{uid})
+# It always exits 0: a failing node Epilog drains the node, and a leftover directory in
+# /dev/shm is no reason to.
+SLURM_GUARD_DEFAULTS=${SLURM_GUARD_DEFAULTS:-/etc/default/slurm-guard}
+# shellcheck disable=SC1090
+[ -r "$SLURM_GUARD_DEFAULTS" ] && . "$SLURM_GUARD_DEFAULTS"
+[ -n "${SLURM_GUARD_SNAPSHOT_DIR:-}" ] && export SLURM_GUARD_SNAPSHOT_DIR
+py=${SLURM_GUARD_PYTHON:-python3}
+# From /, with no user site-packages: nothing a user wrote can be imported by root here.
+cd / || exit 0
+"$py" -s -m slurm_guard.rundir.node_epilog ||
+    echo "slurm-guard-node-epilog: $py could not run slurm_guard.rundir.node_epilog (set SLURM_GUARD_PYTHON)" >&2
 exit 0

@@ -102,8 +102,10 @@ class GuardConfig:
             older checkpoint (docs/user-guide.md, "Snapshots"). Costs host memory: two copies
             of the model and optimizer per node. Off by default.
         snapshot_dir: where snapshots live; None: $SLURM_GUARD_SNAPSHOT_DIR, else
-            /dev/shm/slurm-guard. Node-local memory, never the shared filesystem. `{node}` in it
-            becomes the node's name (for "nodes" that share one machine).
+            /dev/shm/slurm-guard-{uid}. Node-local memory or disk, never the shared filesystem.
+            It must be the user's own (made 0700 if missing, every directory above it checked;
+            docs/admin-guide.md, "What slurm-guard keeps on a node"). `{uid}` in it becomes the
+            user's id, `{node}` the node's name (for "nodes" that share one machine).
     """
 
     replay_every: int = 10
@@ -197,7 +199,7 @@ class GuardConfig:
         if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, str):
             raise ConfigError(
                 f"GuardConfig.snapshot_dir={self.snapshot_dir!r}: must be None or a path string "
-                "on node-local memory (the default is /dev/shm/slurm-guard)"
+                "on node-local memory (the default is /dev/shm/slurm-guard-{uid})"
             )
         object.__setattr__(self, "faults", tuple(self.faults))
 

@@ -31,7 +31,7 @@ ALARM_SCHEMA = 1
 LEDGER_SCHEMA = 1
 CHECKPOINT_SCHEMA = 1
 RUN_SCHEMA = 1
-SNAPSHOT_SCHEMA = 1
+SNAPSHOT_SCHEMA = 2  # 2: the vote's fingerprint, weights.pt proven by it (not hashed)
 """Record schema versions. A reader refuses a record newer than it understands."""
 
 

@@ -5,14 +5,26 @@ The script itself, run as Slurm runs it (environment variables, no arguments) on
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[1] / "epilog" / "slurm-guard-node-epilog.sh"
+ROOT = Path(__file__).parents[1]
+SCRIPT = ROOT / "epilog" / "slurm-guard-node-epilog.sh"
+# What the site sets in /etc/default/slurm-guard, and what Slurm gives every epilog.
+SITE = {
+    "SLURM_GUARD_PYTHON": sys.executable,
+    "PYTHONPATH": str(ROOT),
+    "SLURM_GUARD_DEFAULTS": "/nonexistent",
+    "SLURM_JOB_UID": str(os.geteuid()),
+}
 
 
 def _run(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["sh", str(SCRIPT)], env=env, capture_output=True, text=True, check=False)
+    return subprocess.run(
+        ["sh", str(SCRIPT)], env={**SITE, **env}, capture_output=True, text=True, check=False
+    )
 
 
 def test_it_removes_the_finished_job_s_snapshots_and_nothing_else(tmp_path: Path) -> None:

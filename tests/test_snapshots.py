@@ -8,6 +8,7 @@ after a snapshot starts: the snapshot must hold the values from before.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 
 from slurm_guard.core.snapshot_copy import SnapshotCopier
 from slurm_guard.rundir.snapshots import (
+    OWN_FILE,
     SEAL_FILE,
     WEIGHTS_FILE,
     SnapshotStore,
@@ -81,15 +83,17 @@ def test_a_flipped_byte_or_an_edited_seal_is_never_loaded(tmp_path: Path) -> Non
     store = SnapshotStore(tmp_path, "1234", rank=0)
     store.write(_state(1), **_seal(10))  # type: ignore[arg-type]
     store.write(_state(2), **_seal(20))  # type: ignore[arg-type]
-    state_file = store.path(20) / WEIGHTS_FILE
+    state_file = store.path(20) / OWN_FILE
     data = bytearray(state_file.read_bytes())
     data[len(data) // 2] ^= 0x01
     state_file.write_bytes(bytes(data))
     seals, _ = store.seals()
     newest = seals[0]
     assert newest.step == 20
-    assert "weights.pt does not match its sealed sha256" in str(store.problem(newest, RUN))
-    assert store.problem(newest, RUN, ("own.pt",)) is None  # the small file is intact
+    assert "own.pt does not match its sealed sha256" in str(store.problem(newest, RUN))
+    # weights.pt is not hashed: the loaded state must reproduce the sealed (the vote's)
+    # fingerprint, which catches its damage (tests/test_snapshot_resume.py)
+    assert newest.files[WEIGHTS_FILE] == "" and store.problem(newest, RUN, (WEIGHTS_FILE,)) is None
     assert store.problem(seals[1], RUN) is None  # the older one is still usable
 
     seal_file = store.path(10) / SEAL_FILE
@@ -150,7 +154,7 @@ def test_the_job_directory_is_removed_and_the_root_is_configurable(
     monkeypatch.setenv("SLURM_GUARD_SNAPSHOT_DIR", str(tmp_path))
     assert snapshot_root() == tmp_path and snapshot_root("/x") == Path("/x")
     monkeypatch.delenv("SLURM_GUARD_SNAPSHOT_DIR")
-    assert snapshot_root() == Path("/dev/shm/slurm-guard")
+    assert snapshot_root() == Path(f"/dev/shm/slurm-guard-{os.geteuid()}")
 
 
 @pytest.mark.gpu

@@ -306,9 +306,10 @@ class GuardCore(GuardBase, StepCalls):
 
     def vote(self, step: int) -> None:
         """Weight-fingerprint vote on the state after `step`'s update."""
-        finding = self.verifier.vote(step, self.vote_fingerprint())
+        fingerprint = self.vote_fingerprint()
+        finding = self.verifier.vote(step, fingerprint)
         if finding is not None:
             self.alarm(finding, step, update_applied=True)
         self.voted_at = step + 1
-        if self.snapshots is not None:
-            node_snapshots.take(self, self.snapshots, step + 1)
+        if self.snapshots is not None:  # sealed with the vote's fingerprint, not a second one
+            node_snapshots.take(self, self.snapshots, step + 1, fingerprint)

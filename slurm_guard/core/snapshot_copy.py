@@ -5,10 +5,12 @@ side stream that first waits for the step's work; the training stream waits for 
 where it would overwrite what is being copied: at `fence()`, which the guard calls when the next
 step's checks are done, before any update. A background thread waits for the copy to land and
 writes the snapshot (`rundir.snapshots`). On the CPU there is no stream to overlap with: the
-state is cloned on the spot (a memory copy) and the thread writes it.
+state is copied on the spot (into the reused buffers) and the thread writes it.
 
 The step waits on a snapshot only when the next one starts while the previous one is still
-being written: the store keeps two, and the copier never runs two at once.
+being written: the store keeps two, and the copier never runs two at once. Host buffers are
+allocated once and reused (pinned on a GPU), since a snapshot starts only after the previous one
+was written.
 
 A snapshot that fails to write is logged and dropped: it is a cache, and the shared-filesystem
 checkpoint is still there. `last_error` says why, for a test or a status line.
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from slurm_guard.rundir.snapshots import SnapshotSeal, SnapshotStore
+from slurm_guard.rundir.snapshots import SnapshotSeal, SnapshotStore, SnapshotsUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ class SnapshotCopier:
         if self._stream is not None:
             host = self._enqueue_device_copy(state)
         else:
-            host = host_copy(state, lambda t, _: t.detach().clone())
+            host = host_copy(state, self._cpu_copy)
         self.stats.bytes = _nbytes(host)
         self._thread = threading.Thread(
             target=self._write,
@@ -107,6 +109,17 @@ class SnapshotCopier:
             daemon=True,
         )
         self._thread.start()
+
+    def _cpu_copy(self, tensor: torch.Tensor, path: str) -> torch.Tensor:
+        """Into the buffer of the last snapshot (its write has finished: `start` waited): no
+        fresh allocation, whose page faults cost the step more than the copy itself."""
+        if tensor.layout != torch.strided:
+            return tensor.detach().clone()
+        buffer = self._buffers.get(path)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype)
+            self._buffers[path] = buffer
+        return buffer.copy_(tensor.detach())
 
     def _enqueue_device_copy(self, state: dict[str, Any]) -> Any:
         stream = self._stream
@@ -162,7 +175,8 @@ class SnapshotCopier:
         except Exception as exc:  # a cache that failed: logged, never the run's failure
             self.stats.failed += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
-            logger.warning("snapshot at step %s not written: %s", seal.get("step"), exc)
+            if not isinstance(exc, SnapshotsUnavailable):  # that one was named once already
+                logger.warning("snapshot at step %s not written: %s", seal.get("step"), exc)
 
     def wait(self) -> None:
         """Until the snapshot in flight (if any) is written or has failed."""

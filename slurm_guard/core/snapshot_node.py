@@ -49,6 +49,10 @@ class NodeStep:
     def fingerprint_key(self) -> int:
         return int(self.fingerprint[:15], 16)
 
+    def buffer_fingerprint(self) -> str | None:
+        """The buffers' part of the vote's fingerprint, as the weights' seal holds it."""
+        return None if self.weights is None else self.weights[1].buffer_fingerprint
+
     def load_weights(self, run_id: str) -> dict[str, Any]:
         if self.weights is None:
             raise GuardError(f"snapshot step-{self.step:08d}: no weights on this node")

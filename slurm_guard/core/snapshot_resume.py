@@ -3,8 +3,9 @@
 1. Every rank reads what its node holds (`snapshot_node.scan_node`) and offers, per step, the
    sealed fingerprint, whether it can load the step from its own node alone, and the ranks
    whose own state its node keeps. One gather gives every rank every offer.
-2. Rank 0 picks the newest step its trust window allows (`snapshot_peers.choose`) and
-   broadcasts it; from the same offers every rank works out the same plan.
+2. Rank 0 picks the newest step its trust window allows and the run's ledger proves for every
+   offer of it (`snapshot_peers.choose`, `snapshot_proof`) and broadcasts it; from the same
+   offers every rank works out the same plan.
 3. The ranks that can, load it and prove the sealed fingerprint. The first of them sends the
    weights to every rank that cannot, and a rank whose node keeps a copy sends each such rank
    its own state; those ranks prove the fingerprint too.
@@ -19,6 +20,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -29,13 +31,20 @@ from slurm_guard.comm.errors import RankFailed
 from slurm_guard.core import snapshot_peers as peers
 from slurm_guard.core.snapshot_copy import SnapshotCopier
 from slurm_guard.core.snapshot_node import NodeStep, scan_node
+from slurm_guard.core.snapshot_proof import LedgerProof
 from slurm_guard.errors import GuardError
-from slurm_guard.fingerprint.tree import Fingerprinter, as_hex
+from slurm_guard.fingerprint.tree import LANE_BITS, Fingerprinter, as_hex
 from slurm_guard.rundir.snapshots import SnapshotStore
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NodeSnapshots", "SnapshotLoad", "allowed_except", "resume_from_snapshots"]
+__all__ = [
+    "NodeSnapshots",
+    "SnapshotLoad",
+    "allowed_except",
+    "buffer_lanes",
+    "resume_from_snapshots",
+]
 
 STEPS_OFFERED = 2  # the newest steps each rank offers (each node keeps two per rank)
 
@@ -47,7 +56,7 @@ class SnapshotLoad:
     module: nn.Module
     optimizer: torch.optim.Optimizer
     fingerprinter: Fingerprinter
-    state_tensors: Callable[[], list[torch.Tensor]]
+    state_tensors: Callable[[], list[torch.Tensor]]  # the vote's first part (no buffers)
     restore_stateful: Callable[[Any], None] | None  # this rank's saved stateful state
 
 
@@ -63,6 +72,7 @@ class NodeSnapshots(Protocol):
     target: SnapshotLoad | None
     restored_from_peers: list[int]
     resumed_from: int | None
+    ledger: Path | None  # rank 0: what proves a snapshot's step (`core.snapshot_proof`)
 
 
 def resume_from_snapshots(
@@ -85,6 +95,16 @@ def resume_from_snapshots(
     rows = node.comm.all_gather_rows(
         peers.row_of(offers, STEPS_OFFERED), "resume: the snapshots on each node"
     )
+    if allowed is not None:  # rank 0: only what the run's own ledger vouches for
+        proof = LedgerProof.read(node.ledger)
+        unproven: dict[int, str] = {}
+        for rank, entries in enumerate(peers.offered(rows)):
+            for step, (fingerprint, _, _) in entries.items():
+                if not proof.proves(step, fingerprint):
+                    unproven.setdefault(
+                        step, f"sealed fingerprint {fingerprint:015x} on rank {rank}"
+                    )
+        allowed = proof.restrict(allowed, unproven)
     rejected: set[int] = set()  # steps that failed to load somewhere: try the next older
     while True:
         chosen = -1
@@ -130,8 +150,18 @@ def _loadable(entry: NodeStep, rank: int) -> bool:
     return entry.weights is not None and rank in entry.provides()
 
 
-def _prove(into: SnapshotLoad, step: int, fingerprint: int) -> None:
-    found = as_hex(into.fingerprinter.tensors(into.state_tensors()))
+def buffer_lanes(buffers: str, like: torch.Tensor) -> torch.Tensor:
+    """A sealed fingerprint (hex) back as the lanes `Fingerprinter.combine` takes."""
+    value = int(buffers, 16)
+    return torch.tensor([value >> LANE_BITS, value & ((1 << LANE_BITS) - 1)], dtype=like.dtype)
+
+
+def _prove(into: SnapshotLoad, step: int, fingerprint: int, buffers: str | None) -> None:
+    """The loaded state reproduces the vote's fingerprint: its parameters and optimizer state,
+    combined with the buffers' part as sealed (`core.state.ReplicatedState.vote_fingerprint`)."""
+    weights = into.fingerprinter.tensors(into.state_tensors())
+    parts = [weights] if buffers is None else [weights, buffer_lanes(buffers, weights)]
+    found = as_hex(into.fingerprinter.combine(parts))
     if int(found[:15], 16) != fingerprint:
         raise GuardError(
             f"snapshot step-{step:08d}: the loaded state does not reproduce its sealed fingerprint"
@@ -158,7 +188,7 @@ def _load_here(
         raise GuardError(f"snapshot step-{choice.step:08d} is gone from this node")
     own = entry.load_own(node.rank, node.run_id)
     _apply(into, entry.load_weights(node.run_id), own)
-    _prove(into, choice.step, choice.fingerprint)
+    _prove(into, choice.step, choice.fingerprint, entry.buffer_fingerprint())
     if into.restore_stateful is not None:
         into.restore_stateful(own.get("stateful"))
 
@@ -173,7 +203,11 @@ def _give_to_the_others(
     problem = None
     try:  # what this rank sends; a failure here must reach every rank before any exchange
         if rank == choice.source:  # its module and optimizer hold the proven snapshot now
-            state = {"model": into.module.state_dict(), "optimizer": into.optimizer.state_dict()}
+            state = {
+                "model": into.module.state_dict(),
+                "optimizer": into.optimizer.state_dict(),
+                "buffer_fingerprint": None if entry is None else entry.buffer_fingerprint(),
+            }
             weights = dict.fromkeys(sorted(choice.keepers), peers.to_bytes(state))
         for q, keeping in choice.keepers.items():
             if keeping == rank:
@@ -195,8 +229,9 @@ def _give_to_the_others(
         if keeper is None:
             return
         mine = peers.from_bytes(got_own[keeper])
-        _apply(into, peers.from_bytes(got_weights[choice.source]), mine)
-        _prove(into, choice.step, choice.fingerprint)
+        weights = peers.from_bytes(got_weights[choice.source])
+        _apply(into, weights, mine)
+        _prove(into, choice.step, choice.fingerprint, weights.get("buffer_fingerprint"))
         if into.restore_stateful is not None:
             into.restore_stateful(mine.get("stateful"))
         node.restored_from_peers = sorted({choice.source, keeper})

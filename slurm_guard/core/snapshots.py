@@ -9,8 +9,13 @@ of from a checkpoint up to a save interval older.
 
 One rule, two stores: a snapshot step is a candidate only where the trust window of the pending
 alarms allows it (`rundir.recovery.TrustWindow`), exactly as a checkpoint's step is; it must be
-sealed by this run and must reproduce its sealed fingerprint once loaded on every rank.
-Anything short of that falls back to the checkpoints, never to a start from nothing.
+sealed by this run, its sealed fingerprint must be the one the run's ledger records for a
+passing vote of that step (`core.snapshot_proof`), and it must reproduce that fingerprint once
+loaded on every rank. Anything short of that falls back to the checkpoints, never to a start
+from nothing.
+
+The seal's fingerprint is the vote's own (`take` gets it from the vote): nothing is
+fingerprinted twice.
 """
 
 from __future__ import annotations
@@ -31,11 +36,18 @@ from slurm_guard.core import snapshot_peers as peers
 from slurm_guard.core import stateful
 from slurm_guard.core.snapshot_copy import SnapshotCopier
 from slurm_guard.core.snapshot_resume import SnapshotLoad, resume_from_snapshots
+from slurm_guard.core.state import ReplicatedState
 from slurm_guard.fingerprint.tree import Fingerprinter, as_hex
 from slurm_guard.rundir.checkpoint import rng_state
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import RecordError, atomic_write_json, read_json_file
-from slurm_guard.rundir.snapshots import SnapshotSeal, SnapshotStore, ranks_on_node, snapshot_root
+from slurm_guard.rundir.snapshots import (
+    SnapshotSeal,
+    SnapshotStore,
+    ranks_on_node,
+    snapshot_key,
+    snapshot_root,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +86,7 @@ class NodeSnapshots:
         self.restored_from_peers: list[int] = []  # ranks that sent this rank its snapshot
         self.resumed_from: int | None = None  # the snapshot step the last resume loaded
         self._index: Path | None = None  # rank 0's note in the run directory (`record_in`)
+        self.ledger: Path | None = None  # rank 0: the run's ledger, which proves a step
 
     def record_in(self, index: Path) -> None:
         """Rank 0: after each sealed snapshot, note its step in the run directory for `status`.
@@ -104,11 +117,13 @@ class NodeSnapshots:
         rng: dict[str, torch.Tensor],
         own_stateful: Any,
         seed: int,
+        buffers: torch.Tensor | None = None,
     ) -> None:
         """Start a snapshot of the state after `step` completed steps; returns at once.
 
-        `fingerprint` is the state's fingerprint on the device (what a checkpoint seals): the
-        writer thread reads it to the host, so the step never waits for it. The peer copy of
+        `fingerprint` is the vote's fingerprint on the device (what the ledger records), and
+        `buffers` the buffers' part of it where the vote took them in: the writer thread reads
+        both to the host, so the step never waits for them. The peer copy of
         each rank's own state is a collective: every rank is here, after the same passing vote.
         """
         own = {"rng": rng, "stateful": own_stateful}
@@ -135,6 +150,7 @@ class NodeSnapshots:
             step=step,
             run_id=self.run_id,
             weight_fingerprint=lambda: as_hex(fingerprint),
+            buffer_fingerprint=None if buffers is None else (lambda: as_hex(buffers)),
             fingerprint_seed=seed,
             world_size=self.world_size,
             peers=tuple(sorted(kept)),
@@ -186,6 +202,7 @@ class Guarded(Protocol):
     job_id: str | None
     run_id: str
     params: list[torch.nn.Parameter]
+    replicated: ReplicatedState
     module: nn.Module
     optimizer: torch.optim.Optimizer
     fingerprinter: Fingerprinter
@@ -202,11 +219,10 @@ def attach(core: Guarded) -> NodeSnapshots:
     node = core.topology.node_of(core.rank)
     leader = min(r for r in range(core.world_size) if core.topology.node_of(r) == node)
     # A job's restarts (in the allocation or requeued onto the same nodes) find their
-    # snapshots under the job id; a run outside Slurm under its run id.
-    key = core.job_id or f"run-{core.run_id[:16]}"
+    # snapshots under the job and run id; a run outside Slurm under its run id.
     snapshots = NodeSnapshots(
         snapshot_root(core.config.snapshot_dir, node),
-        key,
+        snapshot_key(core.job_id, core.run_id),
         core.rank,
         leader,
         core.run_id,
@@ -222,22 +238,34 @@ def attach(core: Guarded) -> NodeSnapshots:
 
     if core.rank == 0:
         snapshots.record_in(core.run_dir.snapshot_index)
+        snapshots.ledger = core.run_dir.ledger
     snapshots.target = SnapshotLoad(
-        core.module, core.optimizer, core.fingerprinter, core.state_tensors, restore_stateful
+        core.module,
+        core.optimizer,
+        core.fingerprinter,
+        lambda: core.state_tensors(buffers=False),  # the vote's first part (`ReplicatedState`)
+        restore_stateful,
     )
     return snapshots
 
 
-def take(core: Guarded, snapshots: NodeSnapshots, steps_done: int) -> None:
-    """After a passing vote on the state after `steps_done` steps: snapshot it, off the path."""
+def take(
+    core: Guarded, snapshots: NodeSnapshots, steps_done: int, fingerprint: torch.Tensor
+) -> None:
+    """After a passing vote on the state after `steps_done` steps: snapshot it, off the path.
+
+    `fingerprint` is the vote's (`GuardCore.vote_fingerprint`), sealed as it is: the ledger
+    records the same value, and the load proves it (`core.snapshot_resume`).
+    """
     # An RNG drawn from between a step and a save (an eval) is not the state to restore.
     rng = core.rng_after_step if steps_done == core.step_count and core.rng_after_step else None
     snapshots.take(
         steps_done,
-        core.fingerprinter.tensors(core.state_tensors()),
+        fingerprint,
         core.module,
         core.optimizer,
         rng if rng is not None else rng_state(),
         stateful.collect(core.stateful, core.scaler),
         core.fingerprinter.seed,
+        core.replicated.buffer_fingerprint,
     )

@@ -29,6 +29,7 @@ import torch
 from slurm_guard.comm.errors import RankFailed
 from slurm_guard.core import snapshot_peers as peers
 from slurm_guard.core.snapshot_node import usable_seals
+from slurm_guard.core.snapshot_proof import LedgerProof
 from slurm_guard.core.snapshot_resume import allowed_except
 from slurm_guard.core.snapshots import KEPT, NodeSnapshots
 from slurm_guard.errors import GuardError
@@ -36,6 +37,7 @@ from slurm_guard.fingerprint.tree import as_hex
 from slurm_guard.rundir.snapshots import (
     SnapshotSeal,
     SnapshotStore,
+    snapshot_key,
     snapshot_root,
 )
 from slurm_guard.sharded.snapshot_state import apply_shards, flatten, local_tree, unflatten
@@ -147,6 +149,8 @@ class ShardSnapshots(NodeSnapshots):
             logger.exception("rank %d: cannot read the snapshots on its node", self.rank)
             held = {}
         rows = self.comm.all_gather_rows(_row(held), "resume: the shard snapshots on each node")
+        if allowed is not None:  # rank 0: only what the run's own ledger vouches for
+            allowed = proven(LedgerProof.read(self.ledger), allowed, rows)
         rejected: set[int] = set()  # steps that failed to load somewhere: try the next older
         while True:
             chosen = -1
@@ -268,12 +272,9 @@ class ShardChoice:
     holders: list[int]  # holders[q]: q itself where its node has them, else a rank that does
 
 
-def choose_shards(
-    rows: Sequence[Sequence[int]], allowed: Callable[[int], bool], newest_checkpoint: int
-) -> ShardChoice | None:
-    """The newest allowed step for which every rank's shards are on some node, each with one
-    fingerprint wherever it is offered; None if there is none."""
-    offers: dict[int, dict[int, dict[int, int]]] = {}  # step -> rank q -> offering rank -> fp
+def shard_offers(rows: Sequence[Sequence[int]]) -> dict[int, dict[int, dict[int, int]]]:
+    """{step: {rank q: {offering rank: q's sealed fingerprint key}}} from the gathered rows."""
+    offers: dict[int, dict[int, dict[int, int]]] = {}
     for offering, row in enumerate(rows):
         for i in range(0, len(row), WIDTH):
             step, rest = row[i], row[i + 1 : i + WIDTH]
@@ -282,6 +283,28 @@ def choose_shards(
             for q, fp in zip(rest[0::2], rest[1::2], strict=True):
                 if q >= 0:
                     offers.setdefault(step, {}).setdefault(q, {})[offering] = fp
+    return offers
+
+
+def proven(
+    proof: LedgerProof, allowed: Callable[[int], bool], rows: Sequence[Sequence[int]]
+) -> Callable[[int], bool]:
+    """`allowed` less the steps the ledger does not prove for every offer (`snapshot_proof`)."""
+    unproven: dict[int, str] = {}
+    for step, by_rank in shard_offers(rows).items():
+        keys = set(by_rank.get(0, {}).values())
+        if not proof.proves_shards(step, keys):
+            sealed = ", ".join(f"{k:015x}" for k in sorted(keys)) or "none offered"
+            unproven[step] = f"rank 0's shards sealed with {sealed}"
+    return proof.restrict(allowed, unproven)
+
+
+def choose_shards(
+    rows: Sequence[Sequence[int]], allowed: Callable[[int], bool], newest_checkpoint: int
+) -> ShardChoice | None:
+    """The newest allowed step for which every rank's shards are on some node, each with one
+    fingerprint wherever it is offered; None if there is none."""
+    offers = shard_offers(rows)
     world = len(rows)
     for step in sorted(offers, reverse=True):
         if step < newest_checkpoint or not allowed(step):
@@ -343,10 +366,9 @@ def exchange_flat(
 
 def attach(guard: ShardedRun) -> ShardSnapshots:
     """The snapshots of a ShardedGuard's run on this node (GuardConfig(snapshots=True))."""
-    key = guard.job_id or f"run-{guard.run_id[:16]}"
     snapshots = ShardSnapshots(
         snapshot_root(guard.config.snapshot_dir, guard.node),
-        key,
+        snapshot_key(guard.job_id, guard.run_id),
         guard.rank,
         guard.rank,  # every rank keeps its own shards
         guard.run_id,
@@ -358,4 +380,5 @@ def attach(guard: ShardedRun) -> ShardSnapshots:
     snapshots.guard = guard
     if guard.rank == 0:
         snapshots.record_in(guard.run_dir.snapshot_index)
+        snapshots.ledger = guard.run_dir.ledger
     return snapshots
