@@ -73,7 +73,8 @@ def _requeue_hold(
     client: SlurmClient, job_id: str, info: JobInfo, restart: int, _nodes: tuple[str, ...]
 ) -> ActionResult:
     if info.held and info.state == "PENDING":
-        return ActionResult(DONE, "already held")
+        # skipped, not done: a job held for approval is requeued once (metrics count it once)
+        return ActionResult(SKIPPED, "already held")
     if info.restart_count > restart:
         return ActionResult(SKIPPED, "job was already requeued by an earlier run")
     client.requeue_hold(job_id)
