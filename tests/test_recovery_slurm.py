@@ -26,7 +26,7 @@ from conftest import CHROOT_ENV, USER_ENV, _open_for
 from support.local_cluster import LocalCluster, find_free_port_base
 from test_controller_unit import make_alarm
 from test_epilog_slurm import install_epilog
-from test_in_job_slurm import FAULT, logs, status_json, submit, wait_ended
+from test_in_job_slurm import ENDED, FAULT, logs, status_json, submit, wait_ended
 
 from slurm_guard.cli import main
 from slurm_guard.controller.engine import Engine
@@ -184,10 +184,15 @@ def test_a_job_waiting_for_approval_is_held_past_min_job_age_and_resumes_when_ap
     def gone(job_id: str) -> bool:
         return client.job(job_id) is None
 
+    def ended() -> bool:
+        i = client.job(job)
+        return i is None or i.state in ENDED
+
     try:
-        poll(held, 300, f"job {job} held")
+        poll(lambda: held() or ended(), 300, f"job {job} held or ended")
     except TimeoutError:
-        pytest.fail(f"job {job} not held: {client.job(job)}\n{logs(run_dir)}")
+        pytest.fail(f"job {job} neither held nor ended\n{logs(run_dir)}")
+    assert held() is not None, f"job {job} not held: {client.job(job)}\n{logs(run_dir)}"
     true = tmp_path / "true.sh"
     true.write_text("#!/bin/bash\ntrue\n")
     marker = client.submit(true, ["--nodes=1", f"--output={tmp_path}/true-%j"])
