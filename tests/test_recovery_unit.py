@@ -148,3 +148,20 @@ def test_a_restart_whose_first_step_ran_is_journaled_done_with_the_real_source(
     (row,) = in_job_restarts(store.read(), "100", run_dir)
     assert (row["state"], row["resume_source"], row["resume_step"]) == ("done", "snapshot", 15)
     assert row["planned_resume_step"] == 10
+
+
+def test_the_report_names_what_a_rollback_loaded(tmp_path: Path) -> None:
+    """Finding 9: the report reads the guard's record, not a guess."""
+    from test_report import T0, faulty_run
+
+    from slurm_guard.report import write_report
+    from slurm_guard.rundir.records import atomic_write_json
+    from slurm_guard.rundir.resumes import resumes_dir
+
+    run = faulty_run(tmp_path)
+    record = ResumeRecord("77", 1, 0, "checkpoint", 10, str(run / "checkpoints"), T0 + 59.9)
+    atomic_write_json(resumes_dir(run) / f"{record.name}.json", dataclasses.asdict(record))
+    write_report(run, tmp_path / "report.html")
+    assert (
+        "rolled back to step 10 (checkpoint) after alarm" in (tmp_path / "report.html").read_text()
+    )
