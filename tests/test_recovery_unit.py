@@ -165,3 +165,16 @@ def test_the_report_names_what_a_rollback_loaded(tmp_path: Path) -> None:
     assert (
         "rolled back to step 10 (checkpoint) after alarm" in (tmp_path / "report.html").read_text()
     )
+
+
+def test_a_restart_keeps_the_snapshot_steps_noted_before_it(tmp_path: Path) -> None:
+    """Finding 9: snapshots.json is seeded from the earlier start of the same job."""
+    from slurm_guard.core.snapshots import _noted_before
+    from slurm_guard.rundir.records import atomic_write_json
+
+    index = tmp_path / "snapshots.json"
+    atomic_write_json(index, {"schema": 1, "steps": [5, 10, 15], "written": 1.0, "job": "42"})
+    assert _noted_before(index, "42") == [10, 15]
+    assert _noted_before(index, "43") == []  # another job's nodes hold none of them
+    index.write_text("[1]")
+    assert _noted_before(index, "42") == []
