@@ -78,6 +78,11 @@ def settle_restarts(
             _done(engine.store, entry, record, report)
             changed = True
             continue
+        if info is not None and info.state == "COMPLETED" and _alive(info, entry, "COMPLETED"):
+            # it ran to the end without a record (a training script that never resumes)
+            _done(engine.store, entry, record, report)
+            changed = True
+            continue
         if _alive(info, entry) or in_job:
             continue  # the supervisor still runs the job: the step may yet start
         later = [
@@ -96,35 +101,37 @@ def settle_restarts(
     return changed
 
 
-def _alive(info: JobInfo | None, entry: dict[str, Any]) -> bool:
-    """The run of the job that planned the restart is still going (its supervisor lives)."""
+def _alive(info: JobInfo | None, entry: dict[str, Any], *states: str) -> bool:
+    """The run of the job that planned the restart is still going (its supervisor lives), or,
+    with `states`, ended in one of them."""
     if info is None:
         return False
     same_run = info.restart_count == int(entry.get("restart_count", 0))
-    return same_run and info.state in ACTIVE_JOB_STATES
+    return same_run and info.state in (states or ACTIVE_JOB_STATES)
 
 
 def _done(
-    store: StateStore, entry: dict[str, Any], record: ResumeRecord, report: JobReport
+    store: StateStore, entry: dict[str, Any], record: ResumeRecord | None, report: JobReport
 ) -> None:
+    """Journal the restart as done: with the guard's record, or (None) seen only to complete."""
     alarm_time = entry.get("alarm_time")
-    first = float(record.first_step_at or 0.0)
-    seconds = round(first - float(alarm_time), 2) if isinstance(alarm_time, int | float) else None
+    first = None if record is None else record.first_step_at
+    seconds = None
+    if first is not None and isinstance(alarm_time, int | float):
+        seconds = round(first - float(alarm_time), 2)
     store.append(
         RESTART_DONE,
         job_id=entry.get("job_id"),
         plan_id=entry.get("plan_id"),
         attempt=entry.get("attempt"),
-        resume_source=record.source,
-        resume_step=record.step,
-        resume_path=record.path,
-        first_step_at=record.first_step_at,
+        resume_source=None if record is None else record.source,
+        resume_step=None if record is None else record.step,
+        resume_path=None if record is None else record.path,
+        first_step_at=first,
         seconds=seconds,
     )
-    report.actions.append(
-        f"in-job restart {entry.get('plan_id')} ran: resumed from {record.source} "
-        f"{record.step if record.step is not None else '-'}"
-    )
+    what = "no resume record" if record is None else f"resumed from {record.source} {record.step}"
+    report.actions.append(f"in-job restart {entry.get('plan_id')} ran: {what}")
 
 
 def _failed(
