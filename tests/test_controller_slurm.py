@@ -157,6 +157,13 @@ def assert_untouched(client: CommandSlurmClient, job_id: str) -> None:
     assert not any((r or "").startswith("slurm-guard:") for r in reasons(client).values())
 
 
+def assert_held_without_drains(client: CommandSlurmClient, job_id: str) -> None:
+    """Waiting for approval: the job is held in Slurm (it outlives MinJobAge), nothing drained."""
+    info = client.job(job_id)
+    assert info is not None and info.held and info.state == "PENDING", info
+    assert not any((r or "").startswith("slurm-guard:") for r in reasons(client).values())
+
+
 def wait_running_without(client: CommandSlurmClient, job_id: str, node: str) -> JobInfo:
     def rerunning() -> JobInfo | None:
         info = client.job(job_id)
@@ -284,24 +291,24 @@ def test_node_drained_by_someone_else_is_never_changed(
     assert reasons(client)["node2"] == "memory errors, ticket 77"
 
 
-def test_circuit_breaker_stops_draining_until_approved(
+def test_circuit_breaker_stops_draining_and_holds_until_approved(
     client: CommandSlurmClient, store: StateStore, tmp_path: Path
 ) -> None:
     job_id, run = finished_job_with_alarm(client, tmp_path)
     report = Engine(client, store, Policy(max_drains=0)).process_job(job_id, run)
     assert "circuit breaker" in report.decisions["a1"][1]
-    assert_untouched(client, job_id)
+    assert_held_without_drains(client, job_id)
     review = json.loads(cli(client, "review", "--state-dir", str(store.root), "--json").output)
     assert [w["alarm_id"] for w in review["awaiting_approval"]] == ["a1"]
 
 
-def test_policy_approve_does_nothing_until_review_approve(
+def test_policy_approve_holds_the_job_until_review_approve(
     client: CommandSlurmClient, store: StateStore, tmp_path: Path
 ) -> None:
     Policy(mode="approve").save(store.root)
     job_id, run = finished_job_with_alarm(client, tmp_path)
     Engine(client, store).process_job(job_id, run)
-    assert_untouched(client, job_id)
+    assert_held_without_drains(client, job_id)
     dry = cli(
         client,
         "review",
@@ -314,7 +321,7 @@ def test_policy_approve_does_nothing_until_review_approve(
         "--dry-run",
     )
     assert dry.exit_code == 0, dry.output
-    assert_untouched(client, job_id)
+    assert_held_without_drains(client, job_id)
     result = cli(
         client,
         "review",

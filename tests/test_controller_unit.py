@@ -389,7 +389,8 @@ def test_approve_policy_waits_for_admin(slurm: FakeSlurm, store: StateStore, run
     eng = engine(slurm, store, Policy(mode="approve"))
     eng.process_job("100", run_dir)
     eng.process_job("100", run_dir)
-    assert slurm.calls == []
+    # held in Slurm (a held job outlives MinJobAge), once, and nothing drained
+    assert [c[0] for c in slurm.calls] == ["requeue_hold"] and slurm.jobs["100"].held
     with pytest.raises(EngineError, match="reason"):
         eng.approve("a1", "  ", "admin")
     eng.approve("a1", "evidence is convincing", "admin")

@@ -49,6 +49,8 @@ def decided(a: Alarm, outcome: str = "act") -> dict[str, Any]:
         "check": a.check,
         "step": a.step,
         "suspect_nodes": list(a.suspect_nodes),
+        "suspect_ranks": list(a.suspect_ranks),
+        "run_dir": "/r",
         "time": 100.0,
     }
 
@@ -58,7 +60,7 @@ ACT = Decision(Outcome.ACT, "sdc", drain_nodes=("node3",), exclude_nodes=("node3
 
 def test_same_check_at_the_same_step_on_another_node_follows_the_job() -> None:
     journal = Journal([decided(alarm("a1", "node2"))])
-    d = apply_job_rules(alarm("a2", "node3"), ACT, journal, "7", Policy(), now=200.0)
+    d = apply_job_rules(alarm("a2", "node3"), ACT, journal, "/r", Policy(), now=200.0)
     assert d.outcome is Outcome.HOLD and d.hold_kind == "loop" and d.drain_nodes == ()
     assert d.reason == (
         "slurm-guard: 2 alarms on 2 nodes at step 20: suspect software or data, not hardware"
@@ -68,15 +70,15 @@ def test_same_check_at_the_same_step_on_another_node_follows_the_job() -> None:
 def test_a_second_node_at_another_step_is_a_second_fault_until_loop_nodes() -> None:
     first = decided(alarm("a1", "node2", step=20))
     journal = Journal([first])
-    assert apply_job_rules(alarm("a2", "node3", 30), ACT, journal, "7", Policy(), 200.0) == ACT
+    assert apply_job_rules(alarm("a2", "node3", 30), ACT, journal, "/r", Policy(), 200.0) == ACT
     journal = Journal([first, decided(alarm("a2", "node3", step=30))])
-    d = apply_job_rules(alarm("a3", "node4", 40), ACT, journal, "7", Policy(), 200.0)
+    d = apply_job_rules(alarm("a3", "node4", 40), ACT, journal, "/r", Policy(), 200.0)
     assert d.outcome is Outcome.HOLD and "3 alarms on 3 nodes at steps 20, 30, 40" in d.reason
 
 
 def test_numerical_alarms_are_not_counted_and_never_held() -> None:
     journal = Journal([decided(alarm("a1", "node2", verdict="numerical"), "no_action")])
-    assert past_alarms(journal, "7") == []
+    assert past_alarms(journal, "/r") == []
     assert follows_job(alarm("a2", "node3", verdict="numerical"), [], Policy()) is None
 
 
@@ -95,13 +97,13 @@ def test_the_budget_counts_in_job_restarts_and_requeues_in_the_window() -> None:
     )
     entries = [
         {"type": PLAN, "job_id": "7", "plan": plan.to_json(), "time": 50.0},
-        {"type": IN_JOB_RESTART, "job_id": "7", "left": ["node2"], "time": 90.0},
-        {"type": IN_JOB_RESTART, "job_id": "7", "left": ["node3"], "time": 95.0},
+        {"type": IN_JOB_RESTART, "job_id": "7", "left": ["node2"], "time": 90.0, "run_dir": "/r"},
+        {"type": IN_JOB_RESTART, "job_id": "7", "left": ["node3"], "time": 95.0, "run_dir": "/r"},
     ]
     journal = Journal(entries)
-    assert journal.restarts_since("7", 0.0) == 3 and journal.restarts_since("7", 60.0) == 2
+    assert journal.restarts_since("/r", 0.0) == 3 and journal.restarts_since("/r", 60.0) == 2
     assert journal.nodes_left_by("7") == {"node2", "node3"}
-    d = apply_job_rules(alarm("a9", "node4", 99), ACT, journal, "7", Policy(), now=100.0)
+    d = apply_job_rules(alarm("a9", "node4", 99), ACT, journal, "/r", Policy(), now=100.0)
     assert d.outcome is Outcome.HOLD and d.hold_kind == "budget"
     assert d.drain_nodes == ("node3",)  # the evidence stands: the node is still drained
     assert budget_reason(2, Policy()) is None

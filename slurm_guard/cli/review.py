@@ -159,3 +159,27 @@ def review_retire(
     """
     engine = make_engine(ctx, state_dir, dry_run)
     click.echo(engine.retire_node(node, reason, admin_name()))
+
+
+@review_group.command("reset-budget")
+@click.argument("run_dir")
+@click.option("--reason", required=True, help="Why the run may restart again (recorded).")
+@dry_run_option
+@click.pass_context
+@state_dir_option
+@handle_errors
+def review_reset_budget(
+    ctx: click.Context, run_dir: str, reason: str, dry_run: bool, state_dir: Path
+) -> None:
+    """Start a run directory's restart budget and loop history afresh.
+
+    Both count the run's history across job ids, so resubmitting a job does not reset them.
+    A job the rules hold stays held: release it with `scontrol release`.
+
+    Example:
+
+        \b
+        slurm-guard review reset-budget /shared/runs/llm --reason "bad data shard removed"
+    """
+    engine = make_engine(ctx, state_dir, dry_run)
+    click.echo(engine.reset_budget(run_dir, reason, admin_name()))

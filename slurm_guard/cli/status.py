@@ -65,6 +65,16 @@ def _print_status(view: dict[str, Any]) -> None:
             r.get("alarm_id"),
             f" (moved aside: {', '.join(r.get('quarantined') or []) or '-'})",
         )
+    for r in view.get("resumed_from", []):
+        what = "nothing (step 0)" if r["step"] is None else f"{r['source']} step {r['step']}"
+        ran = "first step ran" if r.get("first_step_at") else "first step not run (yet)"
+        where = f", {r['path']}" if r.get("path") else ""
+        field(
+            "started from",
+            what,
+            f"  (job {r['job_id']} restart {r['restart_count']} attempt {r['attempt']}: "
+            f"{ran}{where})",
+        )
     latest = view.get("latest_checkpoint")
     field("latest checkpoint", "none" if latest is None else f"step {latest}")
     for step, problem in (view.get("damaged_checkpoints") or {}).items():
@@ -119,12 +129,22 @@ def _print_in_job(view: dict[str, Any]) -> None:
             time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(r["time"] or 0))),
             names(r["left"]),
             names(r["joined"]),
+            _restart_state(r),
             "-" if r["resume_step"] is None else f"step {r['resume_step']} ({r['resume_source']})",
             "-" if r["seconds"] is None else f"{r['seconds']:.1f}",
         ]
         for r in restarts
     ]
-    click.echo(table(rows, ["IN-JOB RESTART", "NODE LEFT", "SPARE JOINED", "RESUME", "SECONDS"]))
+    heads = ["IN-JOB RESTART", "NODE LEFT", "SPARE JOINED", "STATE", "RESUMED", "SECONDS"]
+    click.echo(table(rows, heads))
+
+
+def _restart_state(row: dict[str, Any]) -> str:
+    """done (its first step ran), pending (not yet), or failed and what completed it."""
+    if row.get("state") != "failed":
+        return str(row.get("state", "?"))
+    by = row.get("completed_by")
+    return f"failed ({row.get('failed_reason')}{f'; plan {by}' if by else ''})"
 
 
 @click.command("status")

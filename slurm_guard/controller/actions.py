@@ -73,7 +73,10 @@ def _requeue_hold(
     client: SlurmClient, job_id: str, info: JobInfo, restart: int, _nodes: tuple[str, ...]
 ) -> ActionResult:
     if info.held and info.state == "PENDING":
-        return ActionResult(DONE, "already held")
+        if info.restart_count > restart:  # this plan's requeue, before a crash lost its line
+            return ActionResult(DONE, "already held")
+        # held before this plan (waiting for approval): not requeued again, not counted again
+        return ActionResult(SKIPPED, "already held (before this plan)")
     if info.restart_count > restart:
         return ActionResult(SKIPPED, "job was already requeued by an earlier run")
     client.requeue_hold(job_id)

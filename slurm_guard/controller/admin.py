@@ -18,6 +18,7 @@ from slurm_guard.controller.report import EngineError, JobReport, RetryLater
 from slurm_guard.controller.state import (
     ADMIN,
     APPROVAL,
+    BUDGET_RESET,
     DONE,
     FAILED,
     INTENT,
@@ -25,6 +26,7 @@ from slurm_guard.controller.state import (
     Journal,
     Plan,
     StateStore,
+    same_run,
 )
 from slurm_guard.protocol import REASON_PREFIX
 from slurm_guard.slurm.client import SlurmClient, SlurmCommandError, SlurmUnavailable
@@ -200,3 +202,28 @@ def _admin_action(
         engine.store.append(FAILED, key=key, detail=str(exc))
         raise
     engine.store.append(DONE, key=key, detail=done_detail)
+
+
+def reset_budget(engine: Engine, run_dir: str, reason: str, admin: str) -> str:
+    """Start a run directory's restart budget and loop history afresh (journaled).
+
+    The budget and the loop rule count the run's history across job ids, so resubmitting never
+    resets them; an admin who has fixed the cause (replaced the image, the data) does, here.
+    Nothing in Slurm changes: a job held by the rules stays held until released.
+    """
+    require_reason(reason)
+    run = same_run(run_dir)
+    with engine.store.locked(engine.lock_timeout_s):
+        journal = engine.store.read()
+        known = {same_run(e.get("run_dir")) for e in journal.alarms.values()}
+        known |= {same_run(p.run_dir) for p in journal.plans.values()}
+        if run not in known:
+            raise EngineError(
+                f"the journal records no alarm or plan for run directory {run}: nothing to "
+                "reset (give the run directory the job's comment names)"
+            )
+        used = journal.restarts_since(run, engine.clock() - engine.policy.restart_window_s)
+        engine.store.append(BUDGET_RESET, run_dir=run, reason=reason, admin=admin, used=used)
+    return "\n".join(
+        engine.narrate(f"reset the restart budget and loop history of {run} (was {used} used)")
+    )

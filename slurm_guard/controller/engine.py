@@ -28,6 +28,7 @@ from slurm_guard.controller.loops import BUDGET, LOOP, apply_job_rules
 from slurm_guard.controller.metrics import publish
 from slurm_guard.controller.policy import Decision, JobFacts, Outcome, Policy, decide, drain_reason
 from slurm_guard.controller.report import EngineError, JobReport, RetryLater, summarize
+from slurm_guard.controller.settle import settle_restarts
 from slurm_guard.controller.state import (
     ALARM,
     BAD_FILE,
@@ -147,8 +148,9 @@ class Engine:
         return report
 
     def retry_pending(self, lock_timeout_s: float | None = None) -> list[JobReport]:
-        """Look again at every job left pending (slurmctld was down, the job was running...)
-        and finish every plan a crash or an outage interrupted.
+        """Look again at every job left pending (slurmctld was down, the job was running...),
+        finish every plan a crash or an outage interrupted, and settle every in-job restart
+        not yet seen to run (`settle`).
 
         An epilog passes a short `lock_timeout_s`: it retries others' jobs only when the lock is
         free. Waiting the full timeout per pending job made every epilog of a burst queue behind
@@ -157,8 +159,11 @@ class Engine:
         """
         pending = self.store.pending()
         todo = {job_id: str(e.get("run_dir", "")) for job_id, e in pending.items()}
-        for plan in self.store.read().unfinished_plans():
+        journal = self.store.read()
+        for plan in journal.unfinished_plans():
             todo.setdefault(plan.job_id, plan.run_dir)
+        for restart in journal.unsettled_restarts(None):
+            todo.setdefault(str(restart.get("job_id")), str(restart.get("run_dir", "")))
         reports = []
         for job_id, rd in sorted(todo.items()):
             raw = pending.get(job_id, {}).get("allocation", [])
@@ -191,6 +196,10 @@ class Engine:
             return admin.retire_node(self, node, reason, admin_name)
         finally:
             self.publish_metrics()
+
+    def reset_budget(self, run_dir: str, reason: str, admin_name: str) -> str:
+        """Reset a run directory's restart budget and loop history (see admin.reset_budget)."""
+        return admin.reset_budget(self, run_dir, reason, admin_name)
 
     def record_step(self, job_id: str, **fields: object) -> None:
         """Journal one transition of the in-job supervisor (a step started or ended).
@@ -227,6 +236,8 @@ class Engine:
                 report.actions.append(f"finishing plan {plan.plan_id} left by an earlier run")
                 self.execute(plan, journal, report)
                 journal = self.store.read()
+        if settle_restarts(self, job_id, run_dir, in_job, report):
+            journal = self.store.read()
 
         files, bad = read_alarm_files(run_dir)
         for b in bad:
@@ -274,7 +285,9 @@ class Engine:
                 drains_in_window=drains,
                 in_job=in_job,
             )
-            d = apply_job_rules(f.alarm, d, self.store.read(), job_id, self.policy, self.clock())
+            d = apply_job_rules(
+                f.alarm, d, self.store.read(), str(run_dir), self.policy, self.clock()
+            )
             report.decisions[f.alarm.alarm_id] = (d.outcome.value, d.reason)
             log = logger.warning if d.outcome is Outcome.REJECTED else logger.info
             log("job %s alarm %s: %s (%s)", job_id, f.alarm.alarm_id, d.outcome.value, d.reason)
@@ -309,6 +322,11 @@ class Engine:
                 drains += len(d.drain_nodes)  # a spent budget holds the job, drains the node
                 hold.append(entry)
                 report.held = d.reason
+            elif d.outcome is Outcome.AWAIT_APPROVAL:
+                # Held in Slurm until `review approve`: a held job outlives MinJobAge, a
+                # FAILED one is purged and its approval has nothing left to release.
+                hold.append((f.alarm.alarm_id, Decision(d.outcome, d.reason), entry[2]))
+                report.held = d.reason
 
         if (act or hold) and info is not None:
             self._plan(job_id, run_dir, journal, info, act, hold, alarm_times, spares, report)
@@ -336,9 +354,12 @@ class Engine:
         before any drain, so the epilog and the watcher see it and requeue nothing.
         """
         leave = {n for _, d, _ in act for n in d.exclude_nodes}
-        # The loop rule and a spent budget hold the job whatever else the pass found; an
-        # ambiguous alarm beside a convicted node does not stop the requeue (as before).
-        holding = any(d.hold_kind in (LOOP, BUDGET) for _, d, _ in hold)
+        # The loop rule, a spent budget and an alarm waiting for approval hold the job whatever
+        # else the pass found; an ambiguous alarm beside a convicted node does not stop the
+        # requeue (as before).
+        holding = any(
+            d.hold_kind in (LOOP, BUDGET) or d.outcome is Outcome.AWAIT_APPROVAL for _, d, _ in hold
+        )
         restart_on = None
         if spares is not None and act and not holding and self.policy.in_job_restarts:
             restart_on = healthy_nodes(spares, leave, journal.nodes_left_by(job_id), self.client)
@@ -372,6 +393,7 @@ class Engine:
                 spares,
                 restart_on,
                 run_dir,
+                info.restart_count,
             )
             self.store.append(IN_JOB_RESTART, **record)
             report.in_job = InJobOutcome(restart_on, record)

@@ -82,8 +82,15 @@ def restart_record(
     allocation: Allocation,
     nodes: tuple[str, ...],
     run_dir: Path,
+    restart_count: int = 0,
 ) -> dict[str, Any]:
-    """The journal fields of one in-job restart (see state.IN_JOB_RESTART)."""
+    """The journal fields of one in-job restart (see state.IN_JOB_RESTART): the plan.
+
+    `resume_*` is where the restart is expected to resume from; what it really loaded is the
+    guard's record (`rundir.resumes`), journaled with `restart_done` once its first step ran.
+    `restart_count` (Slurm's), `attempt`, `train_nodes` and `tasks_per_node` find that record
+    and, if the restart never runs, size the requeue that completes it.
+    """
     source = pick_resume_source(run_dir)
     return {
         "job_id": job_id,
@@ -91,6 +98,10 @@ def restart_record(
         "alarm_ids": list(alarm_ids),
         "alarm_time": min(alarm_times, default=None),
         "attempt": allocation.attempt + 1,
+        "restart_count": restart_count,
+        "train_nodes": allocation.train_nodes,
+        "tasks_per_node": allocation.tasks_per_node,
+        "spares": allocation.spares,
         "left": sorted(set(allocation.active) - set(nodes)),
         "joined": sorted(set(nodes) - set(allocation.active)),
         "nodes": list(nodes),

@@ -1,10 +1,11 @@
-"""Where a restart resumes from, as the controller sees it before the training command starts.
+"""Where a restart is expected to resume from, before the training command starts.
 
-One question, one place: the in-job restart records it, and `status` shows it. Today the only
-source is the trusted checkpoint (by the guard's resume rule, restated torch-free in
-`status_view.resume_preview`). Verified snapshots in node memory (issue 32) become a second
-kind here: `pick_resume_source` then prefers the newest trusted snapshot and falls back to the
-checkpoint, and its callers need not change.
+Only an expectation, journaled with the in-job restart's plan: the newest snapshot rank 0
+noted (`snapshots.json`) that the resume rule allows, if it is at least as new as the trusted
+checkpoint (the nodes may no longer hold it), else the trusted checkpoint (the guard's resume
+rule, restated torch-free in `status_view.resume_preview`). What a start really loaded is the
+guard's own record (`rundir.resumes`), which `status`, the journal (`restart_done`) and the
+report read; this module never stands in for it.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-CHECKPOINT = "checkpoint"
-NONE = "none"  # nothing trusted: the run starts from step 0 or refuses, by the guard's rule
+from slurm_guard.rundir.resumes import CHECKPOINT, SNAPSHOT
+from slurm_guard.rundir.resumes import NOTHING as NONE  # the run starts from step 0 or refuses
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ def pick_resume_source(run_dir: Path) -> ResumeSource:
     if preview.get("blocked"):
         return ResumeSource(NONE, None, str(preview["blocked"]))
     step = preview.get("trusted_checkpoint")
+    snap = preview.get("snapshot")
+    if isinstance(snap, int) and (not isinstance(step, int) or snap >= step):
+        return ResumeSource(SNAPSHOT, snap, f"node-local snapshot {snap}, if the nodes hold it")
     if isinstance(step, int):
         return ResumeSource(CHECKPOINT, step, f"trusted checkpoint step-{step}")
     return ResumeSource(NONE, None, "no trusted checkpoint: the guard's resume rule decides")

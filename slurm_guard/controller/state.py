@@ -18,6 +18,7 @@ import errno
 import fcntl
 import json
 import os
+import os.path
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -45,6 +46,9 @@ APPROVAL = "approval"  # an admin approved an alarm
 ADMIN = "admin"  # an admin returned or retired a node
 IN_JOB_RESTART = "in_job_restart"  # a job left a node and restarted on a spare of its allocation
 JOB_STEP = "job_step"  # the in-job supervisor started or saw the end of a training step
+RESTART_DONE = "restart_done"  # an in-job restart's step completed its first step (resumes/)
+RESTART_FAILED = "restart_failed"  # an in-job restart never ran its first step: completed so
+BUDGET_RESET = "budget_reset"  # an admin reset a run's restart budget and loop history
 RESULTS = (DONE, SKIPPED, FAILED)
 
 
@@ -122,6 +126,8 @@ class Journal:
         self.bad_files: set[str] = set()
         self.in_job_restarts: list[dict[str, Any]] = []
         self.job_steps: list[dict[str, Any]] = []
+        self.restarts_settled: dict[str, dict[str, Any]] = {}  # restart plan id -> its result
+        self.budget_resets: dict[str, float] = {}  # run dir -> time of its latest reset
         for e in entries:
             kind = e.get("type")
             if kind == ALARM:
@@ -141,6 +147,10 @@ class Journal:
                 self.in_job_restarts.append(e)
             elif kind == JOB_STEP:
                 self.job_steps.append(e)
+            elif kind in (RESTART_DONE, RESTART_FAILED):
+                self.restarts_settled[str(e.get("plan_id"))] = e
+            elif kind == BUDGET_RESET:
+                self.budget_resets[same_run(e.get("run_dir"))] = float(e.get("time", 0))
 
     def unfinished_plans(self) -> list[Plan]:
         return [p for p in self.plans.values() if any(a.key not in self.results for a in p.actions)]
@@ -166,25 +176,46 @@ class Journal:
                     count += 1
         return count
 
-    def restarts_since(self, job_id: str, since: float) -> int:
-        """The job's restarts since `since`: in-job restarts and planned requeues together.
+    def counts_from(self, run_dir: str, since: float) -> float:
+        """Where the run's history starts counting: `since`, or its latest budget reset."""
+        return max(since, self.budget_resets.get(same_run(run_dir), -1.0))
 
-        The restart budget's count. A requeue counts when it is planned (as drains do for the
-        circuit breaker): an interrupted plan is finished later and must already count.
+    def restarts_since(self, run_dir: str, since: float) -> int:
+        """The run's restarts since `since`, across its job ids: in-job restarts and planned
+        requeues together, none before the run's latest budget reset.
+
+        The restart budget's count, per run directory: a job resubmitted on the same run gets
+        no fresh budget. A requeue counts when it is planned (as drains do for the circuit
+        breaker): an interrupted plan is finished later and must already count. An in-job
+        restart that never ran (RESTART_FAILED) does not count: the requeue that completed it
+        does.
         """
+        run, since = same_run(run_dir), self.counts_from(run_dir, since)
         in_job = sum(
             1
             for e in self.in_job_restarts
-            if e.get("job_id") == job_id and float(e.get("time", 0)) >= since
+            if same_run(e.get("run_dir")) == run
+            and float(e.get("time", 0)) >= since
+            and self.restarts_settled.get(str(e.get("plan_id")), {}).get("type") != RESTART_FAILED
         )
         requeues = sum(
             1
             for p in self.plans.values()
-            if p.job_id == job_id
+            if same_run(p.run_dir) == run
             and p.created >= since
             and any(a.op == "release" for a in p.actions)
         )
         return in_job + requeues
+
+    def unsettled_restarts(self, job_id: str | None) -> list[dict[str, Any]]:
+        """In-job restarts of `job_id` (None: of every job) planned and not yet seen to run,
+        nor completed otherwise (`controller.settle`)."""
+        return [
+            e
+            for e in self.in_job_restarts
+            if job_id in (None, e.get("job_id"))
+            and str(e.get("plan_id")) not in self.restarts_settled
+        ]
 
     def supervised(self, job_id: str) -> bool:
         """An in-job supervisor runs the job's training steps (it journaled one)."""
@@ -206,6 +237,12 @@ class Journal:
             if e.get("job_id") == job_id or e.get("key") in keys:
                 out.append(e)
         return out
+
+
+def same_run(run_dir: object) -> str:
+    """A run directory as the journal compares it: absolute and normalised, links kept (the
+    journal is read without touching the run's filesystem)."""
+    return os.path.normpath(os.path.abspath(str(run_dir or "")))
 
 
 class StateStore:

@@ -4,6 +4,7 @@ guard's resume rule. Read-only; see `views` for how files users write are treate
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from slurm_guard.controller.views import (
 )
 from slurm_guard.rundir.layout import RunDir, RunDirError
 from slurm_guard.rundir.records import Alarm, LedgerEntry, RecordError, read_json_file, read_ledger
+from slurm_guard.rundir.resumes import read_resume, read_resumes
 from slurm_guard.rundir.seals import located_checkpoints, run_id_of
 from slurm_guard.rundir.trust import counts_for_trust, trust_limit
 from slurm_guard.slurm.client import SlurmClient
@@ -212,6 +214,8 @@ def _run_part(
     view["trust_replays"] = trust
     resumes = rd.resumes()
     view["resumes"] = resumes
+    # What each start really loaded, as the guard recorded it (`rundir.resumes`): never a guess.
+    view["resumed_from"] = [dataclasses.asdict(r) for r in read_resumes(run_dir)]
     preview = resume_preview(rd, trust)
     view["trusted_checkpoint"] = preview["trusted_checkpoint"]
     view["trusted_checkpoint_path"] = preview.get("trusted_checkpoint_path")
@@ -290,7 +294,7 @@ def status_view(
                     }
                 )
     view["controller_actions"] = actions
-    view["in_job_restarts"] = in_job_restarts(journal, job_id) if job_id else []
+    view["in_job_restarts"] = in_job_restarts(journal, job_id, run_dir) if job_id else []
     view["held"] = held_reason(journal, job_id) if job_id else None
     try:
         view["pending"] = store.pending().get(job_id or "", None)
@@ -302,40 +306,67 @@ def status_view(
 # ------------------------------------------------------------------------ in-job restarts
 
 
-def in_job_restarts(journal: Journal, job_id: str) -> list[dict[str, Any]]:
+def in_job_restarts(
+    journal: Journal, job_id: str, run_dir: Path | None = None
+) -> list[dict[str, Any]]:
     """Each restart inside the job's allocation: when, the node that left, the spare that
-    joined, the resume step, and the seconds from the alarm record to the new step's start."""
-    starts = {
-        int(e.get("attempt", -1)): float(e.get("time", 0))
-        for e in journal.job_steps
-        if e.get("job_id") == job_id and e.get("event") == "start"
-    }
+    joined, and its state: `done` once the restarted step ran its first step (then the resume
+    point the guard recorded, and the seconds from the alarm record to that first step),
+    `pending` before, `failed` when it never ran (and the requeue that completed it).
+
+    Done is what the journal says (`restart_done`) or, before any entry point journaled it,
+    the guard's own resume record in the run directory.
+    """
     rows = []
     for e in journal.in_job_restarts:
         if e.get("job_id") != job_id:
             continue
-        attempt = int(e.get("attempt", 0))
-        began = starts.get(attempt)
-        alarm_time = e.get("alarm_time")
-        seconds = (
-            round(began - float(alarm_time), 2)
-            if began is not None and isinstance(alarm_time, (int, float))
-            else None
-        )
+        settled = journal.restarts_settled.get(str(e.get("plan_id")), {})
+        done = settled if settled.get("type") == "restart_done" else _done_in_run_dir(e, run_dir)
+        state = "done" if done else ("failed" if settled else "pending")
         rows.append(
             {
                 "time": e.get("time"),
-                "attempt": attempt,
+                "attempt": int(e.get("attempt", 0)),
                 "left": list(e.get("left", [])),
                 "joined": list(e.get("joined", [])),
                 "nodes": list(e.get("nodes", [])),
                 "alarm_ids": list(e.get("alarm_ids", [])),
-                "resume_source": e.get("resume_source"),
-                "resume_step": e.get("resume_step"),
-                "seconds": seconds,
+                "state": state,
+                "resume_source": done.get("resume_source") if done else None,
+                "resume_step": done.get("resume_step") if done else None,
+                "resume_path": done.get("resume_path") if done else None,
+                "planned_resume_step": e.get("resume_step"),
+                "seconds": done.get("seconds") if done else None,
+                "failed_reason": settled.get("reason") if state == "failed" else None,
+                "completed_by": settled.get("completed_by") if state == "failed" else None,
             }
         )
     return rows
+
+
+def _done_in_run_dir(entry: dict[str, Any], run_dir: Path | None) -> dict[str, Any]:
+    """The restart's resume record, as `restart_done` would journal it, if its first step ran."""
+    if run_dir is None:
+        return {}
+    record = read_resume(
+        run_dir,
+        str(entry.get("job_id")),
+        int(entry.get("restart_count", 0)),
+        int(entry.get("attempt", 0)),
+    )
+    if record is None or record.first_step_at is None:
+        return {}
+    alarm_time = entry.get("alarm_time")
+    seconds = None
+    if isinstance(alarm_time, int | float):
+        seconds = round(record.first_step_at - float(alarm_time), 2)
+    return {
+        "resume_source": record.source,
+        "resume_step": record.step,
+        "resume_path": record.path,
+        "seconds": seconds,
+    }
 
 
 def held_reason(journal: Journal, job_id: str) -> str | None:

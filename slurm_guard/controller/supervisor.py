@@ -78,6 +78,9 @@ def supervise(
         status = run_step(active, tasks_per_node, command, {ATTEMPT_ENV: str(attempt)})
         engine.record_step(job_id, event="end", attempt=attempt, nodes=list(active), rc=status)
         if status == 0:
+            if attempt > 0:  # journal the restart as done (its first step ran) before leaving
+                with deciding():
+                    engine.process_job(job_id, run_dir, in_job=True)
             return 0
         view = Allocation(nodes, active, train_nodes, tasks_per_node, attempt)
         with deciding():

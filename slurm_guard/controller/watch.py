@@ -60,6 +60,7 @@ def scan_once(engine: Engine, runs_root: Path) -> list[JobReport]:
             reports.append(engine.process_job(job_id, run_dir))
     reports += _report_problems(engine, runs_root, problems, journal.bad_files)
     pending = set(engine.store.pending()) | {p.job_id for p in journal.unfinished_plans()}
+    pending |= {str(e.get("job_id")) for e in journal.unsettled_restarts(None)}
     if pending - seen:
         reports += [r for r in engine.retry_pending() if r.job_id not in seen]
     engine.publish_metrics()  # also after a quiet pass: the last-pass time shows we are alive

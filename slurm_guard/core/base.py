@@ -42,6 +42,7 @@ from slurm_guard.protocol import Check
 from slurm_guard.rundir.alarms import AlarmWriter
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import LedgerEntry, append_ledger
+from slurm_guard.rundir.resumes import ResumeNote
 from slurm_guard.rundir.start import OpenedRun, open_run_dir, write_run_file
 
 logger = logging.getLogger(__name__)
@@ -96,6 +97,13 @@ class GuardBase:
     abft_coverage: dict[str, object] | None
     last_verified_step: int | None
     verified_steps: list[int]
+    resume_note: ResumeNote | None = None  # rank 0, after a resume: completed at the first step
+
+    def _first_step_done(self) -> None:
+        """After every completed step: the first one after a resume completes its record."""
+        if self.resume_note is not None:
+            self.resume_note.first_step()
+            self.resume_note = None
 
     def _open_run(
         self,

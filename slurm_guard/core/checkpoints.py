@@ -213,5 +213,13 @@ def resume(core: GuardCore) -> int:
         core.step_count = resumed.step
         core.last_verified_step = resumed.last_verified_step
         core.voted_at = resumed.step
-    record_rollback(core.comm, core.run_dir, resumed.point, core.restart_count, core.attempt)
+    core.resume_note = record_rollback(
+        core.comm,
+        core.run_dir,
+        resumed.point,
+        core.restart_count,
+        core.attempt,
+        resumed,
+        core.job_id or "",
+    )
     return core.step_count

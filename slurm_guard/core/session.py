@@ -283,6 +283,7 @@ class GuardCore(GuardBase, StepCalls):
             if self.config.is_vote_step(plan.step):
                 self.vote(plan.step)
         self.step_count = plan.step + 1
+        self._first_step_done()
         self.comm.disarm()  # every entry point: user code until the next step is not watched
         # what a checkpoint saves: an eval or logging between this step and the save draws
         # from the RNG again after a resume, so the restored state must be the one before it

@@ -93,7 +93,7 @@ class NodeSnapshots:
 
         Only a note: what a restart loads is decided from the nodes' memory, never from it.
         """
-        steps: list[int] = []
+        steps: list[int] = _noted_before(index, self.store.job_id)
         self._index = index
 
         def note(seal: SnapshotSeal) -> None:
@@ -269,3 +269,15 @@ def take(
         core.fingerprinter.seed,
         core.replicated.buffer_fingerprint,
     )
+
+
+def _noted_before(index: Path, job_id: str) -> list[int]:
+    """The steps an earlier start of this job noted: a restart keeps them (its nodes may still
+    hold them), instead of forgetting them until its own next snapshot."""
+    try:
+        record = read_json_file(index)
+        if record.get("job") != job_id:
+            return []
+        return sorted({int(s) for s in record.get("steps", [])})[-KEPT:]
+    except (RecordError, TypeError, ValueError, AttributeError):
+        return []

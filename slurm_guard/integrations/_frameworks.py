@@ -49,7 +49,8 @@ from slurm_guard.rundir.checkpoint import sha256_file
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import RecordError, atomic_write_json
 from slurm_guard.rundir.recovery import ResumePoint
-from slurm_guard.rundir.restore import record_rollback
+from slurm_guard.rundir.restore import Resumed, record_rollback
+from slurm_guard.rundir.resumes import CHECKPOINT, NOTHING
 from slurm_guard.rundir.seals import Seal, read_seal, record_location
 
 if TYPE_CHECKING:
@@ -291,4 +292,21 @@ def finish_resume(core: GuardCore, chosen: Chosen) -> None:
         core.voted_at = chosen.step
         core.last_verified_step = chosen.last_verified_step
     core.verified_steps = list(chosen.verified_steps)
-    record_rollback(core.comm, core.run_dir, chosen.point, core.restart_count, core.attempt)
+    loaded = chosen.path is not None and chosen.step >= 0
+    resumed = Resumed(
+        chosen.step,
+        chosen.last_verified_step,
+        core.verified_steps,
+        chosen.point,
+        CHECKPOINT if loaded else NOTHING,
+        str(chosen.path) if loaded else None,
+    )
+    core.resume_note = record_rollback(
+        core.comm,
+        core.run_dir,
+        chosen.point,
+        core.restart_count,
+        core.attempt,
+        resumed,
+        core.job_id or "",
+    )

@@ -165,8 +165,10 @@ def _runs_section(t: Timeline) -> str:
         how = "first run" if r == 0 else f"restart {r}"
         if rb is not None:
             moved = ", ".join(rb.quarantined) or "nothing"
+            source = t.resume_source(rb)
             how += (
-                f": rolled back to step {rb.resumed_from_step} after alarm "
+                f": rolled back to step {rb.resumed_from_step}"
+                f"{f' ({source})' if source else ''} after alarm "
                 f"{rb.alarm_id} (moved aside: {moved})"
             )
         end = f"alarm at step {a.step}" if a is not None else f"step {last}"

@@ -27,6 +27,7 @@ from typing import Any
 from slurm_guard.errors import GuardError
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import Alarm, RecordError, read_alarm, read_json_file, read_ledger
+from slurm_guard.rundir.resumes import ResumeRecord, read_resumes
 from slurm_guard.rundir.seals import located_checkpoints
 
 CHECKPOINT_PREFIX = "step-"
@@ -94,6 +95,17 @@ class Timeline:
     finished_step: int | None = None
     problems: list[str] = field(default_factory=list)
     loss_times: list[float | None] = field(default_factory=list)  # parallel to `losses`
+    resumed: list[ResumeRecord] = field(default_factory=list)  # what each start loaded
+
+    def resume_source(self, rollback: Rollback) -> str | None:
+        """What the start that did `rollback` loaded (snapshot or checkpoint), as the guard
+        recorded it: the record of that step written closest to the rollback's record."""
+        if rollback.time is None:
+            return None
+        when = rollback.time
+        same = [r for r in self.resumed if r.step == rollback.resumed_from_step]
+        best = min(same, key=lambda r: abs(r.resumed_at - when), default=None)
+        return best.source if best is not None and abs(best.resumed_at - when) < 600 else None
 
     @property
     def restarts(self) -> list[int]:
@@ -295,6 +307,7 @@ def read_timeline(run_dir: Path) -> Timeline:
             )
         elif kind == "finish":
             t.finished_step = step
+    t.resumed = read_resumes(run_dir)
     _number_in_job_restarts(t)
     t.losses.sort(key=lambda x: (x[2], x[0]))
     return t

@@ -27,6 +27,7 @@ from slurm_guard.rundir import checkpoint as ckpt
 from slurm_guard.rundir.layout import OVERRIDE_HINT, RunDir, fresh_start_requested
 from slurm_guard.rundir.records import read_json_file
 from slurm_guard.rundir.recovery import ResumePlan, ResumePoint, finish_rollback, plan_resume
+from slurm_guard.rundir.resumes import CHECKPOINT, NOTHING, SNAPSHOT, ResumeNote
 from slurm_guard.rundir.trust import CheckpointMeta, parse_checkpoint_meta
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class Resumed:
     last_verified_step: int | None  # only meaningful when something was loaded
     verified_steps: list[int]  # the newest `trust_replays` passing replays up to `step`
     point: ResumePoint | None  # rank 0's plan outcome, None on the other ranks
+    source: str = NOTHING  # snapshot, checkpoint or none: what the resume record says
+    path: str | None = None  # the checkpoint, or rank 0's snapshot directory
 
 
 def resume_collectively(
@@ -88,6 +91,7 @@ def resume_collectively(
             problem = str(exc)
     comm.share_problem(problem, "resume: reading the run directory")
     chosen = -1 if snapshots is None else _resume_from_snapshot(comm, rank, plan, snapshots)
+    source = (SNAPSHOT, _snapshot_path(snapshots, chosen)) if chosen >= 0 else (NOTHING, None)
     while chosen < 0:
         step = -1
         if plan is not None:
@@ -107,6 +111,7 @@ def resume_collectively(
                 plan.reject(step, f"rank {exc.rank} ({exc.node}): {exc.cause}")
             continue
         chosen = step
+        source = (CHECKPOINT, str(run_dir.checkpoint_path(step)))
         break
     if snapshots is not None:
         snapshots.discard_after(chosen)
@@ -127,6 +132,8 @@ def resume_collectively(
         last_verified_step=last_verified if last_verified >= 0 else None,
         verified_steps=sorted(s for s in passes if s >= 0),
         point=point,
+        source=source[0],
+        path=source[1],
     )
 
 
@@ -138,6 +145,13 @@ def _resume_from_snapshot(
     allowed = plan.allows if plan is not None else None
     newest = max((m.step for m in plan.candidates), default=-1) if plan is not None else -1
     return snapshots.resume(allowed, newest)
+
+
+def _snapshot_path(snapshots: SnapshotSource | None, step: int) -> str | None:
+    """Where this rank's snapshot of `step` lives on its node, for the resume record."""
+    store = getattr(snapshots, "store", None)
+    where = getattr(store, "path", None)
+    return str(where(step)) if callable(where) else None
 
 
 def foreign_problem(meta: CheckpointMeta, run_id: str | None) -> str | None:
@@ -165,15 +179,31 @@ def record_rollback(
     point: ResumePoint | None,
     restart_count: int,
     attempt: str,
-) -> None:
-    """Rank 0 quarantines and marks alarms handled; a failure there stops every rank."""
+    resumed: Resumed | None = None,
+    job_id: str = "",
+) -> ResumeNote | None:
+    """Rank 0 quarantines and marks alarms handled; a failure there stops every rank.
+
+    With `resumed`, rank 0 also writes what this start resumed from (`rundir.resumes`) and
+    returns the note, which the guard completes after its first step.
+    """
     problem = None
+    note = None
+    if resumed is not None and point is not None:
+        note = ResumeNote.resumed(
+            run_dir.root, job_id, restart_count, resumed.source, point_step(resumed), resumed.path
+        )
     if point is not None:
         try:
             finish_rollback(run_dir, point, restart_count, attempt)
         except (GuardError, OSError) as exc:
             problem = f"could not record the rollback ({exc})"
     comm.share_problem(problem, "resume: recording the rollback")
+    return note
+
+
+def point_step(resumed: Resumed) -> int | None:
+    return resumed.step if resumed.step >= 0 else None
 
 
 def load_checkpoint(

@@ -31,6 +31,7 @@ from slurm_guard.fingerprint.tree import as_hex, lanes_to_int
 from slurm_guard.rundir import checkpoint as ckpt
 from slurm_guard.rundir.records import read_json_file
 from slurm_guard.rundir.restore import SnapshotSource, record_rollback, resume_collectively
+from slurm_guard.rundir.resumes import ResumeNote
 from slurm_guard.rundir.trust import CheckpointMeta, parse_checkpoint_meta
 
 if TYPE_CHECKING:
@@ -54,9 +55,11 @@ class GuardState(Protocol):
     fingerprinter: Fingerprinter
     rank: int
     world_size: int
+    job_id: str | None
     restart_count: int
     attempt: str
     run_id: str
+    resume_note: ResumeNote | None
     step_count: int
     voted_at: int
     last_verified_step: int | None
@@ -252,5 +255,13 @@ def resume(guard: GuardState) -> int:
         guard.last_verified_step = resumed.last_verified_step
         guard.voted_at = resumed.step
         guard.rng_after_step = ckpt.rng_state()
-    record_rollback(comm, guard.run_dir, resumed.point, guard.restart_count, guard.attempt)
+    guard.resume_note = record_rollback(
+        comm,
+        guard.run_dir,
+        resumed.point,
+        guard.restart_count,
+        guard.attempt,
+        resumed,
+        guard.job_id or "",
+    )
     return guard.step_count

@@ -266,6 +266,7 @@ class ShardedGuard(GuardBase, StepCalls):
             if self.layout.replicas > 1 and self.config.is_vote_step(plan.step):
                 self.vote(plan.step)
         self.step_count = plan.step + 1
+        self._first_step_done()
         self.comm.disarm()  # user code until the next step is not watched
         self.rng_after_step = rng_state()
 

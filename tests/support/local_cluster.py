@@ -69,6 +69,7 @@ MARKER_ENV = "SLURM_GUARD_LOCAL_CLUSTER"
 DEFAULT_PORT_BASE = 16817
 #: Smallest credential lifetime Slurm accepts: a requeued job may restart after cred_expire+1 s.
 MIN_CRED_EXPIRE_S = 5
+DEFAULT_MIN_JOB_AGE_S = 300
 #: How long start() waits for the whole cluster to come up (MariaDB init dominates).
 DEFAULT_START_TIMEOUT_S = 60.0
 #: How long stop() waits for SIGTERM before using SIGKILL.
@@ -364,6 +365,8 @@ class LocalCluster:
             every daemon, job and client in; None uses the host's Slurm.
         slurm_user: SlurmUser: the account slurmctld, slurmdbd and the EpilogSlurmctld run
             as. ``root`` hides permission problems a site has; a missing user is created.
+        min_job_age: MinJobAge, seconds a finished job stays known to slurmctld before it is
+            purged (a test of what outlives the purge sets a few seconds).
     """
 
     def __init__(
@@ -378,6 +381,7 @@ class LocalCluster:
         cluster_name: str = "ci",
         chroot: Path | None = None,
         slurm_user: str = "root",
+        min_job_age: int = DEFAULT_MIN_JOB_AGE_S,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
@@ -399,6 +403,9 @@ class LocalCluster:
         if not slurm_user or not slurm_user.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"invalid slurm_user {slurm_user!r}")
         self.slurm_user = slurm_user
+        if min_job_age < 2:
+            raise ValueError(f"min_job_age {min_job_age}: Slurm needs at least 2 s")
+        self.min_job_age = min_job_age
         self._popen: list[subprocess.Popen[bytes]] = []
 
     # ----------------------------------------------------------------- layout
@@ -511,7 +518,7 @@ class LocalCluster:
             "SlurmctldTimeout=30",
             "SlurmdTimeout=30",
             "InactiveLimit=0",
-            "MinJobAge=300",
+            f"MinJobAge={self.min_job_age}",
             "KillWait=5",
             "Waittime=0",
             "JobRequeue=1",
@@ -1112,6 +1119,7 @@ class LocalCluster:
             "epilog_command": list(self.epilog_command) if self.epilog_command else None,
             "chroot": str(self.chroot) if self.chroot is not None else None,
             "slurm_user": self.slurm_user,
+            "min_job_age": self.min_job_age,
             "pids": dict(pids),
         }
         tmp = self.state_path.with_suffix(".tmp")
@@ -1140,6 +1148,7 @@ class LocalCluster:
             cluster_name=str(state.get("cluster_name", "ci")),
             chroot=Path(state["chroot"]) if state.get("chroot") else None,
             slurm_user=str(state.get("slurm_user", "root")),
+            min_job_age=int(state.get("min_job_age", DEFAULT_MIN_JOB_AGE_S)),
         )
 
     def _state_pids(self) -> dict[str, int]:
