@@ -19,6 +19,7 @@ import torch.distributed as dist
 from slurm_guard.checks.replay import Microbatches
 from slurm_guard.checks.verdicts import bits_to_float
 from slurm_guard.core import checkpoints, decide
+from slurm_guard.core.base import LIVE_GUARDS
 from slurm_guard.core.calls import NO_SYNC
 from slurm_guard.core.session import GuardCore
 from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
@@ -117,9 +118,17 @@ class Guard(GuardCore):
 
 @contextlib.contextmanager
 def exit_on_alarm() -> Iterator[None]:
-    """Turn an alarm into the guard's exit code, which the sbatch template and controller read."""
+    """Turn an alarm into the guard's exit code, which the sbatch template and controller read.
+
+    A block that ends without an error is the end of the run for every guard of this process:
+    each records what its injected faults changed, and rank 0 warns about a fault that changed
+    no value (`GuardBase.end_run`). Every rank must leave the block the same way.
+    """
     try:
         yield
+        if dist.is_initialized():
+            for guard in list(LIVE_GUARDS):
+                guard.end_run()
     except SilentDataCorruption as exc:
         logger.error("stopped by slurm-guard: %s", exc)
         if dist.is_initialized():

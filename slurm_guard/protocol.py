@@ -32,6 +32,7 @@ LEDGER_SCHEMA = 1
 CHECKPOINT_SCHEMA = 1
 RUN_SCHEMA = 1
 SNAPSHOT_SCHEMA = 1
+FAULT_EFFECTS_SCHEMA = 1
 """Record schema versions. A reader refuses a record newer than it understands."""
 
 

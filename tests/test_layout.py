@@ -132,6 +132,7 @@ def test_the_admin_side_never_imports_the_job_side_s_torch_modules() -> None:
         "slurm_guard.rundir.layout",
         "slurm_guard.rundir.records",
         "slurm_guard.rundir.trust",
+        "slurm_guard.rundir.fault_effects",
         "slurm_guard.diagnose",
         "slurm_guard.diagnose.evidence",
         "slurm_guard.diagnose.history",

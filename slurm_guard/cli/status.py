@@ -40,6 +40,8 @@ def _print_status(view: dict[str, Any]) -> None:
             "; ".join(view["injected_faults"]),
             "  (on purpose: alarms they cause are not hardware faults)",
         )
+    for warning in view.get("fault_warnings") or []:
+        field("injected fault", warning.removeprefix("slurm-guard: injected fault "))
     last = view.get("last_verified_step")
     src = view.get("last_verified_from")
     field("last verified step", last, f"  (from {src})" if last is not None and src else "")

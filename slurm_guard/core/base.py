@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
@@ -39,12 +40,16 @@ from slurm_guard.faults import Fault, FaultInjector, faults_from_env
 from slurm_guard.fingerprint import FastFingerprinter, Fingerprinter
 from slurm_guard.kernels.warm import WarmUpReport
 from slurm_guard.protocol import Check
+from slurm_guard.rundir import fault_effects
 from slurm_guard.rundir.alarms import AlarmWriter
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import LedgerEntry, append_ledger
 from slurm_guard.rundir.start import OpenedRun, open_run_dir, write_run_file
 
 logger = logging.getLogger(__name__)
+
+LIVE_GUARDS: weakref.WeakSet[GuardBase] = weakref.WeakSet()
+"""Guards of this process whose run has not ended: `exit_on_alarm` ends them on a clean exit."""
 
 
 class GuardBase:
@@ -72,6 +77,7 @@ class GuardBase:
     abft_coverage: dict[str, object] | None
     last_verified_step: int | None
     verified_steps: list[int]
+    step_count: int
 
     def _open_run(
         self,
@@ -152,6 +158,53 @@ class GuardBase:
             self.abft.set_suspended(is_replaying)  # a replay judges another rank's step
         from_env = len(self.faults) - len(self.config.faults)
         announce_faults(self.faults, self.topology, self.rank, from_env)
+        LIVE_GUARDS.add(self)
+
+    def record_fault_effects(self, *, final: bool) -> list[str]:
+        """What the injected faults changed, gathered from every rank (one small all-gather,
+        only when faults are injected: every rank knows the same list) and written by rank 0
+        to faults/<attempt>.json. Returns the `changed no value` warnings (rank 0's list;
+        empty on the others). Every rank must call it, at the same point."""
+        if not self.faults:
+            return []
+        rows = self.comm.all_gather_rows(self.injector.effects(), "injected faults' effects")
+        if self.rank != 0:
+            return []
+        described = [
+            {
+                "spec": f.spec(),
+                "describe": f.describe(),
+                "kind": f.kind,
+                "step": f.step,
+                "persistent": f.persistent,
+                "factor": f.factor,
+                "target": f"rank {f.rank}" if f.rank is not None else str(f.node),
+            }
+            for f in self.faults
+        ]
+        nodes = [self.topology.node_of(r) for r in range(self.world_size)]
+        rec = fault_effects.record(
+            described,
+            rows,
+            nodes,
+            attempt=self.attempt,
+            restart_count=self.restart_count,
+            job_id=self.job_id,
+            steps_done=self.step_count,
+            final=final,
+        )
+        try:
+            fault_effects.write(self.run_dir.root, rec)
+        except OSError as exc:
+            logger.warning("could not record the injected faults' effects: %s", exc)
+        return fault_effects.warnings_of(rec)
+
+    def end_run(self) -> None:
+        """The end of a run that stopped without an alarm (`exit_on_alarm`'s clean exit):
+        records the faults' effects; rank 0 warns once per fault that changed no value."""
+        LIVE_GUARDS.discard(self)
+        for warning in self.record_fault_effects(final=True):
+            logger.warning("%s", warning)
 
     # ---------------------------------------------------------------- records
 

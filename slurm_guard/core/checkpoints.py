@@ -104,6 +104,7 @@ def save_checkpoint(core: GuardCore) -> Path:
             problem = f"checkpoint at step {step} could not be published ({exc})"
             ckpt.discard(stage)
     comm.share_problem(problem, "checkpoint publish")
+    core.record_fault_effects(final=False)  # so status knows them while the run goes on
     return path
 
 
