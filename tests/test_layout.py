@@ -72,6 +72,7 @@ JOB_SIDE_PACKAGES = (
     "slurm_guard.checks",
     "slurm_guard.comm",
     "slurm_guard.core",
+    "slurm_guard.data",
     "slurm_guard.faults",
     "slurm_guard.fingerprint",
     "slurm_guard.integrations",

@@ -28,6 +28,7 @@ from slurm_guard.checks.verdicts import Finding
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.config import GuardConfig
+from slurm_guard.core.batch_check import BatchRecord
 from slurm_guard.core.setup import (
     agree_on_seed,
     announce_faults,
@@ -78,6 +79,7 @@ class GuardBase:
     last_verified_step: int | None
     verified_steps: list[int]
     step_count: int
+    batches: BatchRecord | None
 
     def _open_run(
         self,
@@ -133,6 +135,10 @@ class GuardBase:
         self.last_verified_step = None
         self.verified_steps = []  # passing replays since the resumed checkpoint
         self._started = time.time()
+        # rank 0's batch fingerprints on verification steps: does a resume see the same data?
+        self.batches = None
+        if self.rank == 0:
+            self.batches = BatchRecord(self.run_dir.root, self.fingerprinter, self.attempt)
 
     def _wire_checks(self, module: nn.Module, injected: Sequence[Fault]) -> None:
         """The fault injector (hooks on `module` for the `injected` faults), the alarm writer
@@ -199,10 +205,17 @@ class GuardBase:
             logger.warning("could not record the injected faults' effects: %s", exc)
         return fault_effects.warnings_of(rec)
 
+    def read_batches(self) -> None:
+        """Rank 0 records the pending batch fingerprints; warns if a resume sees other data."""
+        if self.batches is not None:
+            for warning in self.batches.flush():
+                logger.warning("%s", warning)
+
     def end_run(self) -> None:
         """The end of a run that stopped without an alarm (`exit_on_alarm`'s clean exit):
         records the faults' effects; rank 0 warns once per fault that changed no value."""
         LIVE_GUARDS.discard(self)
+        self.read_batches()
         for warning in self.record_fault_effects(final=True):
             logger.warning("%s", warning)
 
@@ -248,6 +261,7 @@ class GuardBase:
 
     def alarm(self, finding: Finding, step: int, *, update_applied: bool) -> NoReturn:
         """Rank 0 writes the alarm; then every rank raises the very same record."""
+        self.read_batches()
         self.alarm_writer.raise_alarm(
             finding,
             step,

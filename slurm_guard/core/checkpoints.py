@@ -105,6 +105,7 @@ def save_checkpoint(core: GuardCore) -> Path:
             ckpt.discard(stage)
     comm.share_problem(problem, "checkpoint publish")
     core.record_fault_effects(final=False)  # so status knows them while the run goes on
+    core.read_batches()
     return path
 
 
