@@ -17,6 +17,7 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -48,6 +49,41 @@ from slurm_guard.rundir.records import LedgerEntry, append_ledger
 from slurm_guard.rundir.start import OpenedRun, open_run_dir, write_run_file
 
 logger = logging.getLogger(__name__)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 and "\n" not in text else f"a {type(value).__name__}"
+
+
+def check_arguments(
+    label: str,
+    optimizer: object,
+    loss_fn: object,
+    run_dir: object,
+    config: object,
+    **optional: tuple[object, type | tuple[type, ...]],
+) -> None:
+    """Refuse a wrong-typed argument by name before anything else runs (the same on every
+    rank, so no collective is left waiting): `Guard(..., run_dir=None)` says what run_dir must
+    be instead of failing inside pathlib. `optional`: name -> (value, accepted types)."""
+    expected: dict[str, tuple[object, type | tuple[type, ...], str]] = {
+        "optimizer": (optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer"),
+        "run_dir": (run_dir, (str, os.PathLike), "a path (str or os.PathLike)"),
+        "config": (config, (GuardConfig, type(None)), "a slurm_guard.GuardConfig or None"),
+    }
+    for name, (value, types) in optional.items():
+        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        expected[name] = (value, types, names.replace("NoneType", "None"))
+    for name, (value, types, what) in expected.items():
+        if not isinstance(value, types) or (name == "run_dir" and not str(value).strip()):
+            raise GuardError(f"{label}: {name} must be {what}, got {_shown(value)}")
+    if not callable(loss_fn):
+        raise GuardError(
+            f"{label}: loss_fn must be callable as loss_fn(model, batch) -> scalar tensor, "
+            f"got {_shown(loss_fn)}"
+        )
+
 
 LIVE_GUARDS: weakref.WeakSet[GuardBase] = weakref.WeakSet()
 """Guards of this process whose run has not ended: `exit_on_alarm` ends them on a clean exit."""

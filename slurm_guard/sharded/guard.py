@@ -23,7 +23,7 @@ from slurm_guard.checks.rows import StepResult
 from slurm_guard.checks.verdicts import bits_to_float
 from slurm_guard.config import GuardConfig
 from slurm_guard.core import decide
-from slurm_guard.core.base import GuardBase
+from slurm_guard.core.base import GuardBase, check_arguments
 from slurm_guard.core.calls import StepCalls, StepPlan
 from slurm_guard.errors import GuardError
 from slurm_guard.faults import Fault
@@ -82,6 +82,7 @@ class ShardedGuard(GuardBase, StepCalls):
         run_dir: str | os.PathLike[str],
         config: GuardConfig | None = None,
     ) -> None:
+        check_arguments("ShardedGuard", optimizer, loss_fn, run_dir, config)
         if not dist.is_initialized():
             raise GuardError("torch.distributed is not initialized; call init_process_group first")
         fsdp_modules(model)  # raises unless fully_shard wrapped the root
