@@ -12,12 +12,13 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
 from slurm_guard.checks.replay import Microbatches
 from slurm_guard.checks.verdicts import bits_to_float
+from slurm_guard.comm.errors import LOGGED, CollectiveError
 from slurm_guard.core import checkpoints, decide
 from slurm_guard.core.base import LIVE_GUARDS
 from slurm_guard.core.calls import NO_SYNC
@@ -74,8 +75,12 @@ class Guard(GuardCore):
                 losses.append(loss.detach())
         except RuntimeError:
             # a DDP all-reduce failed (a peer gone, or stopped by the hang watch's verdict):
-            # raise the verdict, not this rank's echo of it
-            self.comm.raise_verdict_of_failure()
+            # raise the verdict, not this rank's echo of it ("Unable to cast ..."), and not
+            # chained to it: the named error is the first and only one the user sees
+            try:
+                self.comm.raise_verdict_of_failure()
+            except GuardError as verdict:
+                raise verdict from None
             raise
         result = self.finish_step(plan, losses)
         self.apply_update(plan, result)
@@ -120,6 +125,8 @@ class Guard(GuardCore):
 def exit_on_alarm() -> Iterator[None]:
     """Turn an alarm into the guard's exit code, which the sbatch template and controller read.
 
+    The guard's collective stops (`CollectiveMismatch`, `RankFailed`, `RanksMissing`) exit
+    with status 1 and one line from rank 0, their message, instead of a traceback per rank.
     A block that ends without an error is the end of the run for every guard of this process:
     each records what its injected faults changed, and rank 0 warns about a fault that changed
     no value (`GuardBase.end_run`). Every rank must leave the block the same way.
@@ -130,10 +137,20 @@ def exit_on_alarm() -> Iterator[None]:
             for guard in list(LIVE_GUARDS):
                 guard.end_run()
     except SilentDataCorruption as exc:
-        logger.error("stopped by slurm-guard: %s", exc)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(EXIT_SDC)
+        # every rank raises the same alarm: rank 0 says it once (the record names every rank)
+        _stop(f"stopped by slurm-guard: {exc}", EXIT_SDC)
+    except CollectiveError as exc:
+        # a named stop every rank reached together (a porting mistake, a rank gone, a hang):
+        # its message says what to do; one line from rank 0 instead of a traceback per rank
+        _stop(f"stopped by slurm-guard: {type(exc).__name__}: {exc}", 1, said=str(exc) in LOGGED)
+
+
+def _stop(message: str, code: int, said: bool = False) -> NoReturn:
+    if not said and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.error("%s", message)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
 
 
 __all__ = ["Guard", "as_int", "exit_on_alarm"]

@@ -29,6 +29,7 @@ from slurm_guard.checks.verdicts import Finding
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.config import GuardConfig
+from slurm_guard.core import events
 from slurm_guard.core.batch_check import BatchRecord
 from slurm_guard.core.setup import (
     agree_on_seed,
@@ -284,6 +285,9 @@ class GuardBase:
                 logger.exception("could not write %s", self.run_dir.run_file)
                 unwritten = f"cannot write {self.run_dir.run_file} ({type(exc).__name__}: {exc})"
         self.comm.share_problem(unwritten, "run.json")
+        if self.rank == 0:
+            checks = events.checks_line(self.config, self.world_size, len(self.topology.nodes))
+            events.announce(f"guarding {checks}; run dir {self.run_dir.root}")
 
     def _ledger(self, step: int, check: Check, passed: bool, detail: dict[str, object]) -> None:
         if self.rank != 0:

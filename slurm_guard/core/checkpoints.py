@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from slurm_guard.core import stateful
+from slurm_guard.core import events, stateful
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint import as_hex
 from slurm_guard.rundir import checkpoint as ckpt
@@ -23,6 +23,7 @@ from slurm_guard.rundir.trust import CheckpointMeta
 if TYPE_CHECKING:
     from slurm_guard.comm.collective import Collective
     from slurm_guard.core.session import GuardCore
+    from slurm_guard.rundir.recovery import ResumePoint
 
 logger = logging.getLogger(__name__)
 
@@ -216,4 +217,36 @@ def resume(core: GuardCore) -> int:
         core.last_verified_step = resumed.last_verified_step
         core.voted_at = resumed.step
     record_rollback(core.comm, core.run_dir, resumed.point, core.restart_count, core.attempt)
+    line = resume_line(core, resumed.step, resumed.point) if core.rank == 0 else None
+    if line is not None:
+        events.announce(line)
     return core.step_count
+
+
+def resume_line(core: GuardCore, step: int, point: ResumePoint | None) -> str | None:
+    """Where the run resumed from and what was moved aside, and why, in one line (None: a
+    first start, which the start line already says)."""
+    snapshot = getattr(core.snapshots, "resumed_from", None)
+    alarms = point.pending_alarms if point is not None else []
+    if step < 0 and not alarms and not (point is not None and point.fresh):
+        return None
+    if step < 0:
+        where = "starting at step 0 (no checkpoint to resume from)"
+    elif snapshot == step:
+        where = f"resumed at step {step} from the node-local snapshot of step {step}"
+    else:
+        where = f"resumed at step {step} from checkpoint {core.run_dir.checkpoint_path(step)}"
+    if point is not None and point.fresh:
+        where += " (SLURM_GUARD_RESUME=fresh)"
+    moved = {
+        str(r.get("alarm_id")): r.get("quarantined") or []
+        for r in core.run_dir.resumes()
+        if r.get("alarm_id") in alarms
+    }
+    for alarm_id in alarms:
+        names = ", ".join(Path(str(m)).name for m in moved.get(alarm_id, [])) or "nothing"
+        where += (
+            f"; after alarm {alarm_id}: moved aside to quarantine/{alarm_id}/: {names} "
+            "(saved after the last step the alarm trusts)"
+        )
+    return where
