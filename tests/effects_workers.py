@@ -16,6 +16,18 @@ from torch.utils.data import DataLoader, DistributedSampler
 import slurm_guard as sg
 
 
+def _logged() -> list[str]:
+    """Every message the guard logs in this process from now on."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    logging.getLogger("slurm_guard").addHandler(Keep())
+    return records
+
+
 def one_class_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """pytorch/examples' multinode.py loss: cross-entropy over ONE output, whose gradients
     are exactly zero (log-softmax over a single class is 0 for every input)."""
@@ -26,13 +38,7 @@ def one_class_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
 def zero_gradient_faults(run_dir: str, steps: int, faults: tuple[sg.Fault, ...]) -> dict[str, Any]:
     """A one-output Linear under a grad-scale and an activation fault; returns what rank 0
     logged and the fault-effects record."""
-    records: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    logging.getLogger("slurm_guard").addHandler(Keep())
+    records = _logged()
     torch.manual_seed(0)
     model = DDP(torch.nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -79,13 +85,7 @@ def epoch_loop(
     """The README's loop: epochs over a DataLoader with DistributedSampler(shuffle=True), a
     model with dropout, a save at every epoch end and every 3 steps; returns the final
     weights, the steps seen and what rank 0 logged."""
-    logged: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            logged.append(record.getMessage())
-
-    logging.getLogger("slurm_guard").addHandler(Keep())
+    logged = _logged()
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 2)
