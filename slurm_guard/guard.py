@@ -20,7 +20,7 @@ from slurm_guard.checks.replay import Microbatches
 from slurm_guard.checks.verdicts import bits_to_float
 from slurm_guard.comm.errors import LOGGED, CollectiveError
 from slurm_guard.core import checkpoints, decide
-from slurm_guard.core.base import LIVE_GUARDS
+from slurm_guard.core.base import live_guards
 from slurm_guard.core.calls import NO_SYNC
 from slurm_guard.core.session import GuardCore
 from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
@@ -134,7 +134,7 @@ def exit_on_alarm() -> Iterator[None]:
     try:
         yield
         if dist.is_initialized():
-            for guard in list(LIVE_GUARDS):
+            for guard in live_guards():
                 guard.end_run()
     except SilentDataCorruption as exc:
         # every rank raises the same alarm: rank 0 says it once (the record names every rank)

@@ -10,6 +10,7 @@ each guard installs after `_open_run`. Written once here, a fix to the set-up re
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -86,8 +87,14 @@ def check_arguments(
         )
 
 
-LIVE_GUARDS: weakref.WeakSet[GuardBase] = weakref.WeakSet()
-"""Guards of this process whose run has not ended: `exit_on_alarm` ends them on a clean exit."""
+_LIVE: weakref.WeakValueDictionary[int, GuardBase] = weakref.WeakValueDictionary()
+_opened = itertools.count()
+
+
+def live_guards() -> list[GuardBase]:
+    """Guards of this process whose run has not ended, oldest first: the same order on every
+    rank, since ending one may be collective (`exit_on_alarm` ends them on a clean exit)."""
+    return [_LIVE[k] for k in sorted(_LIVE) if k in _LIVE]
 
 
 class GuardBase:
@@ -201,7 +208,8 @@ class GuardBase:
             self.abft.set_suspended(is_replaying)  # a replay judges another rank's step
         from_env = len(self.faults) - len(self.config.faults)
         announce_faults(self.faults, self.topology, self.rank, from_env)
-        LIVE_GUARDS.add(self)
+        self._live_key = next(_opened)
+        _LIVE[self._live_key] = self
 
     def record_fault_effects(self, *, final: bool) -> list[str]:
         """What the injected faults changed, gathered from every rank (one small all-gather,
@@ -251,7 +259,7 @@ class GuardBase:
     def end_run(self) -> None:
         """The end of a run that stopped without an alarm (`exit_on_alarm`'s clean exit):
         records the faults' effects; rank 0 warns once per fault that changed no value."""
-        LIVE_GUARDS.discard(self)
+        _LIVE.pop(getattr(self, "_live_key", -1), None)
         self.read_batches()
         for warning in self.record_fault_effects(final=True):
             logger.warning("%s", warning)
