@@ -85,7 +85,8 @@ class BatchRecord:
         if not self.pending:
             return []
         steps = [s for s, _ in self.pending]
-        values = torch.stack([fp.cpu() for _, fp in self.pending])
+        device = self.pending[0][1].device
+        values = torch.stack([fp.to(device) for _, fp in self.pending]).cpu()  # one read
         self.pending = []
         hexes = [f"{as_int(v):016x}" for v in values]
         differ = [(s, h) for s, h in zip(steps, hexes, strict=True) if self.earlier.get(s, h) != h]

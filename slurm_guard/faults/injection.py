@@ -275,7 +275,8 @@ class FaultInjector:
         counts: dict[int, int] = {}
         if self._changed:
             keys = sorted(self._changed)
-            values = torch.stack([self._changed[k].cpu() for k in keys]).tolist()
+            device = self._changed[keys[0]].device
+            values = torch.stack([self._changed[k].to(device) for k in keys]).tolist()  # one read
             counts = dict(zip(keys, (int(v) for v in values), strict=True))
         row: list[int] = []
         for fault in self.all_faults:
