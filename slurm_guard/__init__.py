@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         RanksMissing,
     )
     from slurm_guard.config import ConfigError, GuardConfig
+    from slurm_guard.data import resumable
     from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
     from slurm_guard.faults import Fault
     from slurm_guard.guard import Guard, exit_on_alarm
@@ -53,6 +54,7 @@ _EXPORTS = {
     "Microbatches": "slurm_guard.checks.replay",
     "is_replaying": "slurm_guard.checks.replay",
     "init_distributed_from_slurm": "slurm_guard.slurm.task",
+    "resumable": "slurm_guard.data",
 }
 
 MOVED_MODULES = {
@@ -130,6 +132,7 @@ __all__ = [
     "exit_on_alarm",
     "init_distributed_from_slurm",
     "is_replaying",
+    "resumable",
 ]
 
 

@@ -12,13 +12,15 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
 from slurm_guard.checks.replay import Microbatches
 from slurm_guard.checks.verdicts import bits_to_float
+from slurm_guard.comm.errors import LOGGED, CollectiveError
 from slurm_guard.core import checkpoints, decide
+from slurm_guard.core.base import live_guards
 from slurm_guard.core.calls import NO_SYNC
 from slurm_guard.core.session import GuardCore
 from slurm_guard.errors import EXIT_SDC, GuardError, SilentDataCorruption
@@ -73,8 +75,12 @@ class Guard(GuardCore):
                 losses.append(loss.detach())
         except RuntimeError:
             # a DDP all-reduce failed (a peer gone, or stopped by the hang watch's verdict):
-            # raise the verdict, not this rank's echo of it
-            self.comm.raise_verdict_of_failure()
+            # raise the verdict, not this rank's echo of it ("Unable to cast ..."), and not
+            # chained to it: the named error is the first and only one the user sees
+            try:
+                self.comm.raise_verdict_of_failure()
+            except GuardError as verdict:
+                raise verdict from None
             raise
         result = self.finish_step(plan, losses)
         self.apply_update(plan, result)
@@ -117,14 +123,34 @@ class Guard(GuardCore):
 
 @contextlib.contextmanager
 def exit_on_alarm() -> Iterator[None]:
-    """Turn an alarm into the guard's exit code, which the sbatch template and controller read."""
+    """Turn an alarm into the guard's exit code, which the sbatch template and controller read.
+
+    The guard's collective stops (`CollectiveMismatch`, `RankFailed`, `RanksMissing`) exit
+    with status 1 and one line from rank 0, their message, instead of a traceback per rank.
+    A block that ends without an error is the end of the run for every guard of this process:
+    each records what its injected faults changed, and rank 0 warns about a fault that changed
+    no value (`GuardBase.end_run`). Every rank must leave the block the same way.
+    """
     try:
         yield
-    except SilentDataCorruption as exc:
-        logger.error("stopped by slurm-guard: %s", exc)
         if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.exit(EXIT_SDC)
+            for guard in live_guards():
+                guard.end_run()
+    except SilentDataCorruption as exc:
+        # every rank raises the same alarm: rank 0 says it once (the record names every rank)
+        _stop(f"stopped by slurm-guard: {exc}", EXIT_SDC)
+    except CollectiveError as exc:
+        # a named stop every rank reached together (a porting mistake, a rank gone, a hang):
+        # its message says what to do; one line from rank 0 instead of a traceback per rank
+        _stop(f"stopped by slurm-guard: {type(exc).__name__}: {exc}", 1, said=str(exc) in LOGGED)
+
+
+def _stop(message: str, code: int, said: bool = False) -> NoReturn:
+    if not said and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.error("%s", message)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(code)
 
 
 __all__ = ["Guard", "as_int", "exit_on_alarm"]

@@ -33,6 +33,7 @@ CHECKPOINT_SCHEMA = 1
 RUN_SCHEMA = 1
 SNAPSHOT_SCHEMA = 2  # 2: the vote's fingerprint, weights.pt proven by it (not hashed)
 RESUME_SCHEMA = 1
+FAULT_EFFECTS_SCHEMA = 1
 """Record schema versions. A reader refuses a record newer than it understands."""
 
 

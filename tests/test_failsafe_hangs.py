@@ -136,7 +136,10 @@ def test_injected_faults_are_logged_recorded_and_marked(tmp_path: Path) -> None:
     for o in outcomes:
         assert o.value["alarm"] is not None and o.value["alarm"]["injected"] is True
         announced = [line for line in o.value["logs"] if "fault injection is ON" in line]
-        assert len(announced) == 1 and "1 from SLURM_GUARD_INJECT" in announced[0], o.value
+        if o.rank == 0:  # once, from rank 0: every rank knows the same agreed list
+            assert len(announced) == 1 and "1 from SLURM_GUARD_INJECT" in announced[0], o.value
+        else:
+            assert announced == [], o.value
     run_json = outcomes[0].value["run_json"]
     assert run_json["injected_faults"] == ["grad-scale on rank 1, persistent from step 2"]
 

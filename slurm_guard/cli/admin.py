@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from slurm_guard.cli.common import handle_errors, make_engine, print_reports
+from slurm_guard.cli.common import handle_errors, make_engine, print_reports, usable_dir
 from slurm_guard.cli.options import (
     dry_run_option,
     job_run_dir_option,
@@ -76,6 +76,8 @@ def recover_cmd(
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id:
         raise click.ClickException("SLURM_JOB_ID is not set: run `recover` inside the batch job")
+    usable_dir(run_dir, "run directory", must_exist=True)
+    usable_dir(state_dir, "state directory")
     engine = make_engine(ctx, state_dir, dry_run)
     if engine.store.read().supervised(job_id):
         # Only the supervisor can start the step again on a spare; acting here would requeue
@@ -145,6 +147,8 @@ def supervise_cmd(
         )
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    usable_dir(run_dir, "run directory")  # the training's rank 0 creates it
+    usable_dir(state_dir, "state directory")
     engine = make_engine(ctx, state_dir, False)
     status = supervise(
         engine,

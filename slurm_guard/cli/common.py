@@ -114,6 +114,28 @@ def handle_errors(f: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def usable_dir(path: Path, what: str, *, must_exist: bool = False) -> None:
+    """Refuse, naming the path, a directory that is a file, lies below a file, or is missing
+    (`must_exist`); a missing one whose nearest existing parent is a directory is fine
+    otherwise (it is created when needed)."""
+    try:
+        if path.exists():
+            if not path.is_dir():
+                raise click.ClickException(f"{what} {path} is a file, not a directory")
+            return
+        if must_exist:
+            raise click.ClickException(f"{what} {path} does not exist")
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise click.ClickException(
+                f"{what} {path} cannot be created: {parent} is a file, not a directory"
+            )
+    except OSError as exc:
+        raise click.ClickException(f"{what} {path}: {exc.strerror or exc}") from None
+
+
 def admin_name() -> str:
     return os.environ.get("SUDO_USER") or getpass.getuser()
 

@@ -8,6 +8,7 @@ enclosing group is taken, before the environment variable and the default.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, overload
@@ -23,9 +24,31 @@ STATE_DIR_ENV = "SLURM_GUARD_STATE_DIR"
 RUNS_ROOT_ENV = "SLURM_GUARD_RUNS_ROOT"
 
 STATE_DIR_HELP = (
-    "Controller state: journal, lock, pending jobs, policy.json. Admin-owned, never a run "
-    "directory; the epilog, the watcher and in-job recovery must share one."
+    "Controller state: journal, lock, pending jobs, policy.json; never inside a run directory. "
+    f"Default: {DEFAULT_STATE_DIR} where you can write it (the site's controller: the epilog, "
+    "the watcher and in-job recovery share it), else your own ~/.local/state/slurm-guard "
+    "($XDG_STATE_HOME/slurm-guard), which a plain user's in-job recovery can write."
 )
+STATE_DIR_DEFAULT_TEXT = f"{DEFAULT_STATE_DIR} if writable, else ~/.local/state/slurm-guard"
+
+
+def default_state_dir() -> Path:
+    """The one default rule: the controller's directory where this user can write it (or
+    create it), else the user's own state directory, so a plain user's `submit`, `recover` and
+    `supervise` work without an admin's directory and without a flag."""
+    admin = DEFAULT_STATE_DIR
+    if os.access(admin, os.W_OK | os.X_OK) or (
+        not admin.exists() and os.access(admin.parent, os.W_OK | os.X_OK)
+    ):
+        return admin
+    home = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(home) / "slurm-guard"
+
+
+def _resolve_state_dir(_ctx: click.Context, _param: click.Parameter, value: Path | None) -> Path:
+    return default_state_dir() if value is None else value
+
+
 RUNS_ROOT_HELP = (
     "Directory holding the run directories (searched one or two levels below), for jobs "
     "without a slurm-guard job comment."
@@ -56,15 +79,16 @@ class _SharedOption(click.Option):
 
 
 def state_dir_option(f: F) -> F:
-    """`--state-dir` (env SLURM_GUARD_STATE_DIR), default slurm_guard.protocol.DEFAULT_STATE_DIR."""
+    """`--state-dir` (env SLURM_GUARD_STATE_DIR), default `default_state_dir()`."""
     return click.option(
         "--state-dir",
         type=click.Path(file_okay=False, path_type=Path),
-        default=DEFAULT_STATE_DIR,
+        default=None,
         envvar=STATE_DIR_ENV,
-        show_default=True,
+        show_default=STATE_DIR_DEFAULT_TEXT,
         show_envvar=True,
         cls=_SharedOption,
+        callback=_resolve_state_dir,
         help=STATE_DIR_HELP,
     )(f)
 

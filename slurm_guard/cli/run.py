@@ -15,6 +15,7 @@ from pathlib import Path
 
 import click
 
+from slurm_guard.cli.common import usable_dir
 from slurm_guard.cli.options import dry_run_option, json_option, state_dir_option
 
 
@@ -149,6 +150,8 @@ def drill_cmd(
 
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if work_dir is not None:
+        usable_dir(work_dir, "work directory")
     try:
         if local:
             report = run_local_drill(
@@ -180,6 +183,8 @@ def drill_cmd(
             report = run_slurm_drill(work_dir, opts, echo=click.echo)
     except DrillError as exc:
         raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # the work dir (or a file in it) unusable: name it, no traceback
+        raise click.ClickException(f"{exc.filename or work_dir}: {exc.strerror or exc}") from None
     if as_json:
         click.echo(
             json.dumps(
@@ -288,6 +293,8 @@ def submit_cmd(
     )
 
     run_dir = run_dir.absolute()
+    usable_dir(run_dir, "run directory")
+    usable_dir(state_dir, "state directory")
     try:
         text = render_sbatch(
             run_dir=run_dir,

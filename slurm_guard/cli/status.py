@@ -11,7 +11,15 @@ from typing import Any
 
 import click
 
-from slurm_guard.cli.common import field, handle_errors, names, safe, slurm_client, table
+from slurm_guard.cli.common import (
+    field,
+    handle_errors,
+    names,
+    safe,
+    slurm_client,
+    table,
+    usable_dir,
+)
 from slurm_guard.cli.options import json_option, runs_root_option, state_dir_option
 from slurm_guard.controller.state import StateStore
 
@@ -40,6 +48,8 @@ def _print_status(view: dict[str, Any]) -> None:
             "; ".join(view["injected_faults"]),
             "  (on purpose: alarms they cause are not hardware faults)",
         )
+    for warning in view.get("fault_warnings") or []:
+        field("injected fault", warning.removeprefix("slurm-guard: injected fault "))
     last = view.get("last_verified_step")
     src = view.get("last_verified_from")
     field("last verified step", last, f"  (from {src})" if last is not None and src else "")
@@ -174,6 +184,7 @@ def status_cmd(
     target = target or os.environ.get("SLURM_JOB_ID")
     if not target:
         raise click.ClickException("give a job id or a run directory, e.g. `slurm-guard status 42`")
+    usable_dir(state_dir, "state directory")  # missing is fine: nothing decided yet
     view = status_view(
         target, client=slurm_client(ctx), store=StateStore(state_dir), runs_root=runs_root
     )

@@ -11,6 +11,10 @@ from slurm_guard.errors import GuardError
 
 LISTED = 8  # ranks named in a message before "and N more"
 
+LOGGED: set[str] = set()
+"""Messages of this process's stops already logged (by rank 0's hang watch), so that
+`exit_on_alarm` does not say the same line again."""
+
 
 class CollectiveError(GuardError):
     """A guard round could not complete on every rank; every rank that sees it stops."""

@@ -47,6 +47,7 @@ from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from slurm_guard.comm.errors import (
     LISTED,
+    LOGGED,
     CollectiveError,
     CollectiveMismatch,
     RanksMissing,
@@ -392,7 +393,12 @@ class HangWatch:
             self._verdict_epoch = epoch
             futures, self._futures = self._futures, []
             self._cv.notify_all()
-        logger.error("rank %d (%s): %s", self.rank, self.node, error)
+        # every rank stops on the same verdict, which the rank raises: rank 0 logs it, once
+        if self.rank == 0:
+            logger.error("stopped by slurm-guard: %s: %s", type(error).__name__, error)
+            LOGGED.add(str(error))
+        else:
+            logger.debug("rank %d (%s): %s", self.rank, self.node, error)
         for future in futures:
             with contextlib.suppress(RuntimeError):
                 future.set_exception(RuntimeError(str(error)))  # type: ignore[arg-type]

@@ -16,6 +16,7 @@ from slurm_guard.controller.views import (
     read_journal,
     resolve_target,
 )
+from slurm_guard.rundir import fault_effects
 from slurm_guard.rundir.layout import RunDir, RunDirError
 from slurm_guard.rundir.records import Alarm, LedgerEntry, RecordError, read_json_file, read_ledger
 from slurm_guard.rundir.resumes import read_resume, read_resumes
@@ -210,6 +211,10 @@ def _run_part(
     # Faults injected on purpose, as run.json lists them: a leftover SLURM_GUARD_INJECT must
     # never pass for a hardware fault in front of an admin.
     view["injected_faults"] = info.get("injected_faults", [])
+    try:  # and what they changed: a fault that changed no value raised no alarm
+        view["fault_warnings"] = fault_effects.warnings_of(fault_effects.read_newest(run_dir))
+    except (OSError, RecordError) as exc:
+        view["fault_warnings"] = [f"injected faults' effects unreadable: {exc}"]
     trust = trust_replays_of(config)
     view["trust_replays"] = trust
     resumes = rd.resumes()

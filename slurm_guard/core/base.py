@@ -10,12 +10,15 @@ each guard installs after `_open_run`. Written once here, a fix to the set-up re
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -27,6 +30,8 @@ from slurm_guard.checks.verdicts import Finding
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import Topology, gather_rank_infos, local_rank_info
 from slurm_guard.config import GuardConfig
+from slurm_guard.core import events
+from slurm_guard.core.batch_check import BatchRecord
 from slurm_guard.core.setup import (
     agree_on_seed,
     announce_faults,
@@ -39,6 +44,7 @@ from slurm_guard.faults import Fault, FaultInjector, faults_from_env
 from slurm_guard.fingerprint import FastFingerprinter, Fingerprinter
 from slurm_guard.kernels.warm import WarmUpReport
 from slurm_guard.protocol import Check
+from slurm_guard.rundir import fault_effects
 from slurm_guard.rundir.alarms import AlarmWriter
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import LedgerEntry, append_ledger
@@ -72,6 +78,50 @@ def _refuse_model_parallel_ddp(
         )
 
 
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 and "\n" not in text else f"a {type(value).__name__}"
+
+
+def check_arguments(
+    label: str,
+    optimizer: object,
+    loss_fn: object,
+    run_dir: object,
+    config: object,
+    **optional: tuple[object, type | tuple[type, ...]],
+) -> None:
+    """Refuse a wrong-typed argument by name before anything else runs (the same on every
+    rank, so no collective is left waiting): `Guard(..., run_dir=None)` says what run_dir must
+    be instead of failing inside pathlib. `optional`: name -> (value, accepted types)."""
+    expected: dict[str, tuple[object, type | tuple[type, ...], str]] = {
+        "optimizer": (optimizer, torch.optim.Optimizer, "a torch.optim.Optimizer"),
+        "run_dir": (run_dir, (str, os.PathLike), "a path (str or os.PathLike)"),
+        "config": (config, (GuardConfig, type(None)), "a slurm_guard.GuardConfig or None"),
+    }
+    for name, (value, types) in optional.items():
+        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        expected[name] = (value, types, names.replace("NoneType", "None"))
+    for name, (value, types, what) in expected.items():
+        if not isinstance(value, types) or (name == "run_dir" and not str(value).strip()):
+            raise GuardError(f"{label}: {name} must be {what}, got {_shown(value)}")
+    if not callable(loss_fn):
+        raise GuardError(
+            f"{label}: loss_fn must be callable as loss_fn(model, batch) -> scalar tensor, "
+            f"got {_shown(loss_fn)}"
+        )
+
+
+_LIVE: weakref.WeakValueDictionary[int, GuardBase] = weakref.WeakValueDictionary()
+_opened = itertools.count()
+
+
+def live_guards() -> list[GuardBase]:
+    """Guards of this process whose run has not ended, oldest first: the same order on every
+    rank, since ending one may be collective (`exit_on_alarm` ends them on a clean exit)."""
+    return [_LIVE[k] for k in sorted(_LIVE) if k in _LIVE]
+
+
 class GuardBase:
     """What a guard holds once `_open_run` and `_wire_checks` ran, and the records it writes."""
 
@@ -97,6 +147,8 @@ class GuardBase:
     abft_coverage: dict[str, object] | None
     last_verified_step: int | None
     verified_steps: list[int]
+    step_count: int
+    batches: BatchRecord | None
     resume_note: ResumeNote | None = None  # rank 0, after a resume: completed at the first step
 
     def _first_step_done(self) -> None:
@@ -161,6 +213,10 @@ class GuardBase:
         self.last_verified_step = None
         self.verified_steps = []  # passing replays since the resumed checkpoint
         self._started = time.time()
+        # rank 0's batch fingerprints on verification steps: does a resume see the same data?
+        self.batches = None
+        if self.rank == 0:
+            self.batches = BatchRecord(self.run_dir.root, self.fingerprinter, self.attempt)
 
     def _wire_checks(self, module: nn.Module, injected: Sequence[Fault]) -> None:
         """The fault injector (hooks on `module` for the `injected` faults), the alarm writer
@@ -186,6 +242,61 @@ class GuardBase:
             self.abft.set_suspended(is_replaying)  # a replay judges another rank's step
         from_env = len(self.faults) - len(self.config.faults)
         announce_faults(self.faults, self.topology, self.rank, from_env)
+        self._live_key = next(_opened)
+        _LIVE[self._live_key] = self
+
+    def record_fault_effects(self, *, final: bool) -> list[str]:
+        """What the injected faults changed, gathered from every rank (one small all-gather,
+        only when faults are injected: every rank knows the same list) and written by rank 0
+        to faults/<attempt>.json. Returns the `changed no value` warnings (rank 0's list;
+        empty on the others). Every rank must call it, at the same point."""
+        if not self.faults:
+            return []
+        rows = self.comm.all_gather_rows(self.injector.effects(), "injected faults' effects")
+        if self.rank != 0:
+            return []
+        described = [
+            {
+                "spec": f.spec(),
+                "describe": f.describe(),
+                "kind": f.kind,
+                "step": f.step,
+                "persistent": f.persistent,
+                "factor": f.factor,
+                "target": f"rank {f.rank}" if f.rank is not None else str(f.node),
+            }
+            for f in self.faults
+        ]
+        nodes = [self.topology.node_of(r) for r in range(self.world_size)]
+        rec = fault_effects.record(
+            described,
+            rows,
+            nodes,
+            attempt=self.attempt,
+            restart_count=self.restart_count,
+            job_id=self.job_id,
+            steps_done=self.step_count,
+            final=final,
+        )
+        try:
+            fault_effects.write(self.run_dir.root, rec)
+        except OSError as exc:
+            logger.warning("could not record the injected faults' effects: %s", exc)
+        return fault_effects.warnings_of(rec)
+
+    def read_batches(self) -> None:
+        """Rank 0 records the pending batch fingerprints; warns if a resume sees other data."""
+        if self.batches is not None:
+            for warning in self.batches.flush():
+                logger.warning("%s", warning)
+
+    def end_run(self) -> None:
+        """The end of a run that stopped without an alarm (`exit_on_alarm`'s clean exit):
+        records the faults' effects; rank 0 warns once per fault that changed no value."""
+        _LIVE.pop(getattr(self, "_live_key", -1), None)
+        self.read_batches()
+        for warning in self.record_fault_effects(final=True):
+            logger.warning("%s", warning)
 
     # ---------------------------------------------------------------- records
 
@@ -216,6 +327,9 @@ class GuardBase:
                 logger.exception("could not write %s", self.run_dir.run_file)
                 unwritten = f"cannot write {self.run_dir.run_file} ({type(exc).__name__}: {exc})"
         self.comm.share_problem(unwritten, "run.json")
+        if self.rank == 0:
+            checks = events.checks_line(self.config, self.world_size, len(self.topology.nodes))
+            events.announce(f"guarding {checks}; run dir {self.run_dir.root}")
 
     def _ledger(self, step: int, check: Check, passed: bool, detail: dict[str, object]) -> None:
         if self.rank != 0:
@@ -229,6 +343,7 @@ class GuardBase:
 
     def alarm(self, finding: Finding, step: int, *, update_applied: bool) -> NoReturn:
         """Rank 0 writes the alarm; then every rank raises the very same record."""
+        self.read_batches()
         self.alarm_writer.raise_alarm(
             finding,
             step,

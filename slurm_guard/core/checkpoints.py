@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from slurm_guard.core import stateful
+from slurm_guard.core import events, stateful
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint import as_hex
 from slurm_guard.rundir import checkpoint as ckpt
@@ -23,6 +23,7 @@ from slurm_guard.rundir.trust import CheckpointMeta
 if TYPE_CHECKING:
     from slurm_guard.comm.collective import Collective
     from slurm_guard.core.session import GuardCore
+    from slurm_guard.rundir.recovery import ResumePoint
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ def save_checkpoint(core: GuardCore) -> Path:
             problem = f"checkpoint at step {step} could not be published ({exc})"
             ckpt.discard(stage)
     comm.share_problem(problem, "checkpoint publish")
+    core.record_fault_effects(final=False)  # so status knows them while the run goes on
+    core.read_batches()
     return path
 
 
@@ -222,4 +225,36 @@ def resume(core: GuardCore) -> int:
         resumed,
         core.job_id or "",
     )
+    line = resume_line(core, resumed.step, resumed.point) if core.rank == 0 else None
+    if line is not None:
+        events.announce(line)
     return core.step_count
+
+
+def resume_line(core: GuardCore, step: int, point: ResumePoint | None) -> str | None:
+    """Where the run resumed from and what was moved aside, and why, in one line (None: a
+    first start, which the start line already says)."""
+    snapshot = getattr(core.snapshots, "resumed_from", None)
+    alarms = point.pending_alarms if point is not None else []
+    if step < 0 and not alarms and not (point is not None and point.fresh):
+        return None
+    if step < 0:
+        where = "starting at step 0 (no checkpoint to resume from)"
+    elif snapshot == step:
+        where = f"resumed at step {step} from the node-local snapshot of step {step}"
+    else:
+        where = f"resumed at step {step} from checkpoint {core.run_dir.checkpoint_path(step)}"
+    if point is not None and point.fresh:
+        where += " (SLURM_GUARD_RESUME=fresh)"
+    moved = {
+        str(r.get("alarm_id")): r.get("quarantined") or []
+        for r in core.run_dir.resumes()
+        if r.get("alarm_id") in alarms
+    }
+    for alarm_id in alarms:
+        names = ", ".join(Path(str(m)).name for m in moved.get(alarm_id, [])) or "nothing"
+        where += (
+            f"; after alarm {alarm_id}: moved aside to quarantine/{alarm_id}/: {names} "
+            "(saved after the last step the alarm trusts)"
+        )
+    return where

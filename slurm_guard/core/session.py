@@ -62,7 +62,7 @@ from slurm_guard.checks.triage import triage_alarm
 from slurm_guard.checks.verifier import Verifier
 from slurm_guard.config import GuardConfig
 from slurm_guard.core import snapshots as node_snapshots
-from slurm_guard.core.base import GuardBase
+from slurm_guard.core.base import GuardBase, check_arguments
 from slurm_guard.core.calls import NO_SYNC, StepCalls, StepPlan
 from slurm_guard.core.setup import warn_small_world
 from slurm_guard.core.state import ReplicatedState
@@ -97,10 +97,17 @@ class GuardCore(GuardBase, StepCalls):
                 f"Guard needs a DistributedDataParallel model, got {type(model).__name__}; wrap "
                 "it first: model = torch.nn.parallel.DistributedDataParallel(model)"
             )
+        check_arguments(
+            "Guard",
+            optimizer,
+            loss_fn,
+            run_dir,
+            config,
+            scaler=(scaler, (torch.amp.GradScaler, type(None))),
+            stateful=(stateful, (Mapping, type(None))),
+        )
         if not dist.is_initialized():
             raise GuardError("torch.distributed is not initialized; call init_process_group first")
-        if not callable(loss_fn):
-            raise GuardError("loss_fn must be callable as loss_fn(model, batch) -> scalar tensor")
         self.config = config if config is not None else GuardConfig()
         self.run_dir = RunDir(run_dir)
         self.ddp = model
@@ -224,6 +231,8 @@ class GuardCore(GuardBase, StepCalls):
         self.injector.step = step
         verify = self.config.is_replay_step(step, self.fingerprinter.seed) and self.world_size > 1
         captured = capture(batch)
+        if verify and self.batches is not None:
+            self.batches.note(step, batch)  # on the device; read at the next save
         self.replicated.snapshot_due = True
         self.optimizer.zero_grad(set_to_none=True)
         exact = self.config.deterministic

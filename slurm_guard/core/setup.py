@@ -154,14 +154,14 @@ def warn_small_world(topology: Topology, rank: int) -> None:
 
 
 def announce_faults(faults: Sequence[Fault], topology: Topology, rank: int, from_env: int) -> None:
-    """Every rank logs the faults this run injects, so that no injected alarm looks real."""
-    if not faults:
+    """Rank 0 logs the faults this run injects (every rank knows the same agreed list, so one
+    line says it for all), so that no injected alarm looks real."""
+    if not faults or rank != 0:
         return
     source = f"{from_env} from SLURM_GUARD_INJECT, {len(faults) - from_env} from GuardConfig.faults"
     logger.warning(
-        "rank %d: fault injection is ON (%s): %s; alarms raised while a fault is active are "
+        "fault injection is ON (%s): %s; alarms raised while a fault is active are "
         "marked injected=true",
-        rank,
         source,
         "; ".join(f.describe() for f in faults),
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +85,20 @@ class Fault:
     def targets(self, rank: int, node: str) -> bool:
         return self.rank == rank if self.rank is not None else self.node == node
 
+    def spec(self) -> str:
+        """The fault as `SLURM_GUARD_INJECT` writes it: kind, target, step, then every field
+        that differs from its default, so a warning can be pasted back into the variable."""
+        parts = [f"kind={self.kind}"]
+        parts.append(f"rank={self.rank}" if self.rank is not None else f"node={self.node}")
+        parts.append(f"step={self.step}")
+        default = Fault(kind=self.kind, step=self.step, rank=0)
+        for name, key in _SPEC_FIELDS:
+            value = getattr(self, name)
+            if value != getattr(default, name):
+                shown = int(value) if isinstance(value, bool) else value
+                parts.append(f"{key}={shown:g}" if isinstance(value, float) else f"{key}={shown}")
+        return ",".join(parts)
+
     def describe(self) -> str:
         where = f"rank {self.rank}" if self.rank is not None else f"node {self.node}"
         how = "persistent from" if self.persistent else "one-off at"
@@ -95,6 +109,16 @@ class Fault:
 
 
 _INT_FIELDS = ("step", "rank", "param", "element", "bit", "layer")
+_SPEC_FIELDS = (
+    ("persistent", "persistent"),
+    ("param", "param"),
+    ("element", "element"),
+    ("factor", "factor"),
+    ("bit", "bit"),
+    ("layer", "layer"),
+    ("gemm_pass", "pass"),
+    ("flip", "flip"),
+)
 
 
 def parse_faults(text: str) -> tuple[Fault, ...]:
@@ -144,6 +168,11 @@ def flip_bit(t: torch.Tensor, element: int, bit: int) -> None:
     bits ^= torch.tensor(1, dtype=int_type, device=t.device) << min(bit, 8 * t.element_size() - 1)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same memory as integers: compares NaN with NaN and -0.0 with 0.0 by their bits."""
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def scale_and_shift(t: torch.Tensor, fault: Fault) -> None:
     """The wrong value of the value faults, in place: element `fault.element` (modulo the
     size) x becomes x*factor+factor. The shift makes a zero (a ReLU output, a gradient
@@ -151,6 +180,11 @@ def scale_and_shift(t: torch.Tensor, fault: Fault) -> None:
     flat = t.view(-1)
     i = fault.element % flat.numel()
     flat[i] = flat[i] * fault.factor + fault.factor
+
+
+def flip_element(t: torch.Tensor, fault: Fault) -> None:
+    """`weight-bitflip`: bit `fault.bit` of element `fault.element` (modulo the size)."""
+    flip_bit(t, fault.element % t.numel(), fault.bit)
 
 
 def corrupt_gradient(grad: torch.Tensor, fault: Fault) -> None:
@@ -167,14 +201,29 @@ def corrupt_gradient(grad: torch.Tensor, fault: Fault) -> None:
         flat[i] = float("inf")
 
 
+def _gemm_error(out: torch.Tensor, fault: Fault) -> None:
+    """`gemm`: x*(1+factor), or bit `bit` flipped with flip=1 (element `fault.element`)."""
+    flat = out.view(-1)
+    i = fault.element % flat.numel()
+    if fault.flip:
+        flip_bit(out, i, fault.bit)
+    else:
+        flat[i] = flat[i] * (1 + fault.factor)
+
+
 class FaultInjector:
     """Applies this rank's faults through hooks on the real model, so replays see them too."""
 
     def __init__(self, faults: tuple[Fault, ...], rank: int, node: str, module: nn.Module) -> None:
+        self.all_faults = faults  # every rank's, in the agreed order: the effects row's order
         self.faults = tuple(f for f in faults if f.targets(rank, node))
         self.step = -1
         self.replaying = False
         self._noise_draws = 0
+        # What each of this rank's faults changed: element counts on the device (added to
+        # without a host read; `effects` reads them once) and the first and last step it ran.
+        self._changed: dict[int, torch.Tensor] = {}
+        self._span: dict[int, tuple[int, int]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         params = [p for p in module.parameters() if p.requires_grad]
         for fault in self.faults:
@@ -200,6 +249,42 @@ class FaultInjector:
             (f, params[f.param % len(params)]) for f in self.faults if f.kind == "weight-bitflip"
         ]
 
+    def apply(
+        self, fault: Fault, t: torch.Tensor, corrupt: Callable[[torch.Tensor, Fault], None]
+    ) -> None:
+        """`corrupt(t, fault)` in place, counting whether element `fault.element` changed."""
+        flat = t.view(-1)
+        i = fault.element % flat.numel()
+        before = flat[i : i + 1].clone()
+        corrupt(t, fault)
+        self._tally(fault, before, flat[i : i + 1])
+
+    def _tally(self, fault: Fault, before: torch.Tensor, after: torch.Tensor) -> None:
+        """Adds the number of elements whose bits differ, on the device: no sync per step."""
+        index = self.faults.index(fault)
+        changed = (_bits(before) != _bits(after)).sum()
+        total = self._changed.get(index)
+        self._changed[index] = changed if total is None else total + changed.to(total.device)
+        first, _last = self._span.get(index, (self.step, self.step))
+        self._span[index] = (first, self.step)
+
+    def effects(self) -> list[int]:
+        """For every fault of the run (`all_faults`, in order): values changed here, first and
+        last step it ran here (-1: never), as one flat list. One device-to-host read."""
+        mine = {f: i for i, f in reversed(list(enumerate(self.faults)))}
+        counts: dict[int, int] = {}
+        if self._changed:
+            keys = sorted(self._changed)
+            device = self._changed[keys[0]].device
+            values = torch.stack([self._changed[k].to(device) for k in keys]).tolist()  # one read
+            counts = dict(zip(keys, (int(v) for v in values), strict=True))
+        row: list[int] = []
+        for fault in self.all_faults:
+            index = mine.get(fault)
+            span = self._span.get(index, (-1, -1)) if index is not None else (-1, -1)
+            row += [counts.get(index, 0) if index is not None else 0, *span]
+        return row
+
     def _add_gemm_fault(self, module: nn.Module, fault: Fault) -> None:
         """Inside the layer's GEMM (before its check): wraps the model's GEMM layers, checked or
         not, so the fault exists whether or not abft is on."""
@@ -211,12 +296,7 @@ class FaultInjector:
             if not self.active(fault) or (not fault.persistent and self.step in fired):
                 return
             fired.add(self.step)  # a one-off fault hits the first such GEMM of its step only
-            flat = out.view(-1)
-            i = fault.element % flat.numel()
-            if fault.flip:
-                flip_bit(out, i, fault.bit)
-            else:
-                flat[i] = flat[i] * (1 + fault.factor)
+            self.apply(fault, out, _gemm_error)
 
         attach(module, checking=False).inject(fault.layer, fault.gemm_pass, corrupt)
 
@@ -239,7 +319,7 @@ class FaultInjector:
             if not self.active(fault):
                 return None
             grad = grad.clone()
-            corrupt_gradient(grad, fault)
+            self.apply(fault, grad, corrupt_gradient)
             return grad
 
         return hook
@@ -252,7 +332,9 @@ class FaultInjector:
             self._noise_draws += 1
             gen = torch.Generator().manual_seed(self._noise_draws * 1_000_003 + index)
             noise = torch.randn(grad.shape, generator=gen).to(grad.device, grad.dtype)
-            return grad * (1 + fault.factor * noise)
+            noisy = grad * (1 + fault.factor * noise)
+            self._tally(fault, grad, noisy)
+            return noisy
 
         return hook
 
@@ -261,7 +343,7 @@ class FaultInjector:
             if not self.active(fault) or not isinstance(output, torch.Tensor):
                 return None
             output = output.clone()
-            scale_and_shift(output, fault)
+            self.apply(fault, output, scale_and_shift)
             return output
 
         return hook
@@ -276,14 +358,14 @@ class FaultInjector:
             return
         for fault in self.faults:
             if fault.kind == "allreduce" and self.active(fault):
-                scale_and_shift(reduced, fault)
+                self.apply(fault, reduced, scale_and_shift)
 
     def after_update(self) -> None:
         """Memory faults: a one-off flip once, a stuck bit after every update from the onset."""
         with torch.no_grad():
             for fault, param in self._weight_faults:
                 if self.active(fault):
-                    flip_bit(param.data, fault.element % param.numel(), fault.bit)
+                    self.apply(fault, param.data, flip_element)
 
     def remove(self) -> None:
         for handle in self._handles:

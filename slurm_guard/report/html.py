@@ -11,9 +11,12 @@ import html
 import json
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from slurm_guard.report.timeline import Timeline
+from slurm_guard.rundir import fault_effects
+from slurm_guard.rundir.records import RecordError
 
 STYLE = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px auto;
@@ -78,12 +81,15 @@ def render_page(t: Timeline, svg: str | None) -> str:
         )
         parts.append(
             f'<div class="banner alarm" id="alarm-banner">ALARM at step {last.step}: '
-            f"{_e(last.check)} check, verdict {_e(last.verdict)}, suspect "
+            f"{_e(last.check)} check, verdict {_e(last.verdict)}"
+            f"{' (injected)' if last.injected else ''}, suspect "
             f"{_e(', '.join(last.suspect_nodes) or 'none named')}{_e(after)}</div>"
         )
     else:
         done = f", finished at step {t.finished_step}" if t.finished_step is not None else ""
         parts.append(f'<div class="banner ok">No alarm{_e(done)}.</div>')
+    for warning in _fault_warnings(t.run_dir):
+        parts.append(f'<p class="note fault-warning">{_e(warning)}</p>')
     parts.append('<h2>Timeline</h2><figure id="timeline">')
     if svg is not None:
         parts.append(svg)
@@ -118,6 +124,14 @@ def render_page(t: Timeline, svg: str | None) -> str:
     return "\n".join(parts)
 
 
+def _fault_warnings(run_dir: Path) -> list[str]:
+    """The injected faults that changed no value (faults/<attempt>.json), or why unreadable."""
+    try:
+        return fault_effects.warnings_of(fault_effects.read_newest(run_dir))
+    except (OSError, RecordError) as exc:
+        return [f"injected faults' effects unreadable: {exc}"]
+
+
 def _alarms_section(t: Timeline) -> str:
     if not t.alarms:
         return '<h2>Alarms</h2><p id="alarms">None.</p>'
@@ -131,7 +145,8 @@ def _alarms_section(t: Timeline) -> str:
                 f"<code>{_e(a.alarm_id)}</code>",
                 _e(a.step),
                 _e(a.check),
-                f'<span class="fail">{_e(a.verdict)}</span>',
+                f'<span class="fail">{_e(a.verdict)}</span>'
+                + (" (injected)" if a.injected else ""),
                 _e(", ".join(a.suspect_nodes) or "-")
                 + (
                     f" (ranks {_e(', '.join(map(str, a.suspect_ranks)))})"

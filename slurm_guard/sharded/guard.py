@@ -23,14 +23,14 @@ from slurm_guard.checks.rows import StepResult
 from slurm_guard.checks.verdicts import bits_to_float
 from slurm_guard.config import GuardConfig
 from slurm_guard.core import decide
-from slurm_guard.core.base import GuardBase
+from slurm_guard.core.base import GuardBase, check_arguments
 from slurm_guard.core.calls import StepCalls, StepPlan
 from slurm_guard.errors import GuardError
 from slurm_guard.faults import Fault
 from slurm_guard.faults.injection import (
     BACKWARD_KINDS,
     corrupt_gradient,
-    flip_bit,
+    flip_element,
     scale_and_shift,
 )
 from slurm_guard.protocol import Check
@@ -67,6 +67,7 @@ class ShardedGuard(GuardBase, StepCalls):
         run_dir: str | os.PathLike[str],
         config: GuardConfig | None = None,
     ) -> None:
+        check_arguments("ShardedGuard", optimizer, loss_fn, run_dir, config)
         if not dist.is_initialized():
             raise GuardError("torch.distributed is not initialized; call init_process_group first")
         refuse_pipeline_stage(model)
@@ -156,20 +157,20 @@ class ShardedGuard(GuardBase, StepCalls):
         """An `allreduce` fault: a wrong value in this rank's output of reduce-scatter `param`."""
         for fault in self._reduction_faults:
             if call == fault.param and self.injector.active(fault):
-                scale_and_shift(chunk, fault)
+                self.injector.apply(fault, chunk, scale_and_shift)
 
     def _corrupt_gradient(self, buffer: torch.Tensor, call: int) -> None:
         """A gradient fault hits this rank's unreduced gradient of reduce-scatter `param`."""
         for fault in self._grad_faults:
             if call == fault.param and self.injector.active(fault):
-                corrupt_gradient(buffer, fault)
+                self.injector.apply(fault, buffer, corrupt_gradient)
 
     def _flip_weights(self) -> None:
         with torch.no_grad():
             for fault in self._weight_faults:
                 if self.injector.active(fault):
                     local = shard(self.params[fault.param % len(self.params)])
-                    flip_bit(local, fault.element % local.numel(), fault.bit)
+                    self.injector.apply(fault, local, flip_element)
 
     # ---------------------------------------------------------------- one step
 
