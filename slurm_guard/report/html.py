@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from slurm_guard.report.timeline import Timeline
+from slurm_guard.report.timeline import Rollback, Start, Timeline, resume_phrase
 
 STYLE = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px auto;
@@ -33,6 +33,13 @@ code, pre { font-family: ui-monospace, 'SFMono-Regular', Menlo, monospace; font-
 pre { white-space: pre-wrap; word-break: break-all; background: #fafafa; padding: 6px; }
 figure { margin: 0; } .note { color: #757575; font-style: italic; }
 """
+
+
+NO_LOSS = (
+    "No loss recorded, so the plot shows verification results and run events only. To plot "
+    "it, call slurm_guard.report.record_loss(run_dir, step, loss) on rank 0 after each step "
+    "(docs/user-guide.md, section 5)."
+)
 
 
 def _e(value: Any) -> str:
@@ -87,12 +94,7 @@ def render_page(t: Timeline, svg: str | None) -> str:
     parts.append('<h2>Timeline</h2><figure id="timeline">')
     if svg is not None:
         parts.append(svg)
-        loss_note = (
-            ""
-            if t.losses
-            else '<p class="note">No loss in the ledger or the training events; the plot '
-            "shows verification results and run events only.</p>"
-        )
+        loss_note = "" if t.losses else f'<p class="note" id="no-loss">{_e(NO_LOSS)}</p>'
         parts.append(f"</figure>{loss_note}")
     else:
         parts.append(
@@ -164,17 +166,13 @@ def _runs_section(t: Timeline) -> str:
         a = alarm_of.get(r)
         how = "first run" if r == 0 else f"restart {r}"
         if rb is not None:
-            moved = ", ".join(rb.quarantined) or "nothing"
-            how += (
-                f": rolled back to step {rb.resumed_from_step} after alarm "
-                f"{rb.alarm_id} (moved aside: {moved})"
-            )
+            how = resume_phrase(r, rb.resumed_from_step, rb.alarm_id, list(rb.quarantined))
         end = f"alarm at step {a.step}" if a is not None else f"step {last}"
         rows.append(
             [
                 _e(how),
                 _e(", ".join(s.nodes) if s else "-"),
-                _e(s.step if s else first),
+                _e(_from_step(rb, s, first)),
                 _e(end),
                 _e(_when(s.time if s else None)),
             ]
@@ -184,6 +182,14 @@ def _runs_section(t: Timeline) -> str:
         + _table(["run", "nodes", "from step", "until", "started"], rows)
         + "</div>"
     )
+
+
+def _from_step(rb: Rollback | None, s: Start | None, first: int) -> int | None:
+    """The step a run began from: its rollback's resume step, else its start event's, else
+    its first record's (a run without either, seen only through its ledger)."""
+    if rb is not None and rb.resumed_from_step is not None:
+        return rb.resumed_from_step
+    return s.step if s is not None else first
 
 
 def _checks_section(t: Timeline) -> str:
