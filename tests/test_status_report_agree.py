@@ -131,3 +131,13 @@ def test_the_empty_loss_message_names_the_way_to_record_it(tmp_path: Path) -> No
     record_loss(run, 3, 2.5)
     record_loss(run, 4, float("nan"))
     assert read_timeline(run).losses == [(3, 2.5, 0)]
+
+
+def test_on_cpu_run_json_and_the_alarm_carry_null_gpus(local_run: Path) -> None:
+    ranks = json.loads((local_run / "run.json").read_text())["ranks"]
+    assert [(r["node"], r["gpu"]) for r in ranks] == [
+        (n, None) for n in ("node1", "node3", "node4")
+    ]
+    (alarm_file,) = (local_run / "alarms").glob("*.json")
+    record = json.loads(alarm_file.read_text())
+    assert record["suspect_ranks"] == [1] and record["suspect_gpus"] == [None]
