@@ -106,3 +106,13 @@ def test_review_shows_the_gpu_index_when_the_alarm_recorded_one(
     else:
         assert shown in text.output and entry["gpu"] == "gpu 5"
         assert "check replay gpu 5 alarm" in view["nodes"][0]["reason"]
+
+
+def test_the_report_names_the_suspect_gpu(tmp_path: Path) -> None:
+    from slurm_guard.report import read_timeline
+    from slurm_guard.report.html import render_page
+
+    run_dir = tmp_path / "run"
+    RunDir(run_dir).ensure()
+    RunDir(run_dir).write_alarm(alarm(suspect_gpus=(GPU5,)))
+    assert "node2 (ranks 1) gpu 5" in render_page(read_timeline(run_dir), None)

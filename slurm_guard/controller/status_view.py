@@ -222,6 +222,7 @@ def _alarm_row(
         "verdict": alarm.verdict,
         "suspect_nodes": list(alarm.suspect_nodes),
         "suspect_ranks": list(alarm.suspect_ranks),
+        "suspect_gpus": list(alarm.suspect_gpus),
         "last_verified_step": alarm.last_verified_step,
         "trusted_checkpoint": alarm.trusted_checkpoint,
         "message": alarm.message,

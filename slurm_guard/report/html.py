@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 from slurm_guard.report.timeline import Rollback, Start, Timeline, resume_phrase
+from slurm_guard.rundir.gpus import gpu_label
 
 STYLE = """
 body { font-family: system-ui, -apple-system, 'Segoe UI', sans-serif; margin: 24px auto;
@@ -139,7 +140,8 @@ def _alarms_section(t: Timeline) -> str:
                     f" (ranks {_e(', '.join(map(str, a.suspect_ranks)))})"
                     if a.suspect_ranks
                     else ""
-                ),
+                )
+                + _e(f" {gpu_label(a.suspect_gpus)}" if gpu_label(a.suspect_gpus) else ""),
                 _e(a.last_verified_step),
                 _e(a.trusted_checkpoint or "-"),
                 _e(a.message)
