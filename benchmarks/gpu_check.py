@@ -2,7 +2,9 @@
 
 On a machine with CUDA it runs, each part in its own time budget so one hang cannot eat the rest:
 1. the `gpu`-marked tests (real Triton compilation; CUDA vs CPU bit-identity of the kernels);
-2. fingerprint bit-identity, CUDA (Triton NH) against CPU (C kernel), over sizes and dtypes;
+2. the GPU an alarm names: index, UUID and PCI bus id of every visible device, non-null and
+   as `nvidia-smi` prints them (run.json and alarm records carry them);
+   fingerprint bit-identity, CUDA (Triton NH) against CPU (C kernel), over sizes and dtypes;
 3. bandwidth on the GPU: fingerprint and the fused bucket check against `torch.sum` and a copy
    of the same tensor (GB/s of input read; the copy also writes as much);
 4. the snapshot copy (pinned buffer, copy stream) against a plain device-to-host copy, with
@@ -165,6 +167,52 @@ def identity_part(quick: bool) -> dict[str, Any]:
         if ff._use_triton(torch.empty(1, device="cuda"))
         else "torch",
         "bucket_check_backend_cuda": kb.backend(torch.device("cuda")),
+    }
+
+
+def gpu_identity_part(quick: bool) -> dict[str, Any]:
+    """The GPU an alarm names (run.json, alarm records): index, UUID and PCI bus id of each
+    visible device, non-null, as the rank gather carries them, and as nvidia-smi prints them."""
+    import re
+    import shutil
+
+    from slurm_guard.comm.devices import gpu_identity
+    from slurm_guard.comm.topology import _decode_gpu, _encode_gpu
+
+    del quick
+    problems, seen = [], []
+    smi: dict[int, tuple[str, str]] = {}
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,uuid,pci.bus_id", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        for line in out.splitlines():
+            index, uuid, pci = (x.strip() for x in line.split(","))
+            smi[int(index)] = (uuid, pci.upper())
+    for i in range(torch.cuda.device_count()):
+        gpu = gpu_identity(torch.device("cuda", i))
+        seen.append(None if gpu is None else gpu.__dict__)
+        if gpu is None or gpu.index != i:
+            problems.append(f"cuda:{i}: {gpu}")
+            continue
+        if gpu.uuid is None or not gpu.uuid.startswith(("GPU-", "MIG-")):
+            problems.append(f"cuda:{i}: uuid {gpu.uuid!r}")
+        pci_form = r"[0-9A-F]{8}:[0-9A-F]{2}:[0-9A-F]{2}\.0"
+        if gpu.pci_bus_id is None or not re.fullmatch(pci_form, gpu.pci_bus_id):
+            problems.append(f"cuda:{i}: pci_bus_id {gpu.pci_bus_id!r}")
+        if _decode_gpu(_encode_gpu(gpu)) != gpu:
+            problems.append(f"cuda:{i}: the rank gather's encoding changes it")
+        listed = smi.get(gpu.node_index) if gpu.node_index is not None else None
+        if listed is not None and listed != (gpu.uuid, gpu.pci_bus_id):
+            problems.append(f"cuda:{i}: nvidia-smi says {listed}")
+    return {
+        "ok": not problems and bool(seen),
+        "problems": problems,
+        "gpus": seen,
+        "nvidia_smi": bool(smi),
     }
 
 
@@ -439,6 +487,7 @@ def main() -> int:
     report["device"] = torch.cuda.get_device_name(0)
     print(f"device: {report['device']}")
     parts_now = (
+        ("gpu_identity", gpu_identity_part),
         ("identity", identity_part),
         ("bandwidth", bandwidth_part),
         ("snapshot", snapshot_part),
@@ -476,7 +525,16 @@ def main() -> int:
     report["seconds"] = time.perf_counter() - began
     path = write_json("gpu_check", report, args.json)
     print(f"wrote {path} ({report['seconds']:.0f} s)")
-    parts = ("interpreter", "identity", "bandwidth", "snapshot", "tests", "sharded", "steps")
+    parts = (
+        "interpreter",
+        "gpu_identity",
+        "identity",
+        "bandwidth",
+        "snapshot",
+        "tests",
+        "sharded",
+        "steps",
+    )
     return 0 if all(report[p].get("ok") for p in parts) else 1
 
 

@@ -20,11 +20,25 @@ goal, or a guarded round faster than plain DDP, which only load drift produces).
     python benchmarks/step_overhead.py                 # world 2, 8 rounds, both models
     python benchmarks/step_overhead.py --quick         # 3 rounds
     python benchmarks/step_overhead.py --models mlp    # one model
+
+Your own model: `--model package.module:factory`, where `factory()` returns `(model,
+optimizer, loss_fn, make_batch)`: the unwrapped `nn.Module` on this rank's device (the
+benchmark wraps it in DDP, once per variant, each from a fresh `factory()` call after
+`torch.manual_seed(0)`), its optimizer, `loss_fn(model, batch)` as `Guard` takes it, and
+`make_batch(step, rank)`. Plain DDP, per-step checks and the default configuration run side by
+side in one run, as above. Without RANK/WORLD_SIZE in the environment it spawns `--world`
+local gloo processes; under torchrun or srun (`slurm-guard task`) it joins their process group
+(NCCL when CUDA is available, this rank's GPU from LOCAL_RANK) and measures on the GPUs:
+
+    python benchmarks/step_overhead.py --model mypkg.bench:factory --quick
+    torchrun --nproc-per-node 8 benchmarks/step_overhead.py --model mypkg.bench:factory
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import os
 import sys
 import tempfile
 import time
@@ -121,6 +135,38 @@ def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
     return nn.functional.mse_loss(model(x), y)
 
 
+Built = tuple[nn.Module, torch.optim.Optimizer, Callable[[nn.Module, Any], torch.Tensor], Any]
+
+
+def load_factory(spec: str) -> Callable[[], Built]:
+    """`package.module:factory` -> the factory; SystemExit naming what is wrong."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise SystemExit(f"--model {spec!r}: give package.module:factory")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise SystemExit(f"--model {spec!r}: {type(exc).__name__}: {exc}") from None
+    if not callable(factory):
+        raise SystemExit(f"--model {spec!r}: {attr} is not callable")
+    return factory  # type: ignore[no-any-return]
+
+
+def build(name: str) -> Built:
+    """A fresh (module, optimizer, loss_fn, make_batch) of a built-in model or a factory."""
+    torch.manual_seed(0)
+    if ":" in name:
+        built = load_factory(name)()
+        if not (isinstance(built, tuple) and len(built) == 4 and isinstance(built[0], nn.Module)):
+            raise SystemExit(
+                f"--model {name}: factory() must return (model, optimizer, loss_fn, make_batch)"
+            )
+        return built
+    spec = MODELS[name]
+    module = spec.build()
+    return module, torch.optim.AdamW(module.parameters(), lr=1e-4), spec.loss, spec.batch
+
+
 @dataclass(frozen=True)
 class Model:
     build: Callable[[], nn.Module]
@@ -153,55 +199,69 @@ def _worker(
     if before:
         variants[BEFORE] = VARIANTS["per-step checks"]
     runners: dict[tuple[str, str], Callable[[Any], object]] = {}
+    batches: dict[str, Any] = {}
     for model_name in models:
-        spec = MODELS[model_name]
         for i, (name, config) in enumerate(variants.items()):
-            torch.manual_seed(0)
-            ddp = DDP(spec.build())
-            opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
+            module, opt, loss_fn, batches[model_name] = build(model_name)
+            device = next(module.parameters()).device
+            ddp = DDP(module, device_ids=[device] if device.type == "cuda" else None)
             if config is None:
 
                 def plain(
-                    batch: Any, ddp: DDP = ddp, opt: torch.optim.Optimizer = opt, spec: Model = spec
+                    batch: Any,
+                    ddp: DDP = ddp,
+                    opt: torch.optim.Optimizer = opt,
+                    loss_fn: Callable[[nn.Module, Any], torch.Tensor] = loss_fn,
                 ) -> float:
                     opt.zero_grad(set_to_none=True)
-                    loss = spec.loss(ddp, batch)
+                    loss = loss_fn(ddp, batch)
                     loss.backward()  # type: ignore[no-untyped-call]
                     opt.step()
                     return float(loss.detach())
 
                 runners[(model_name, name)] = plain
             else:
-                run_dir = Path(root) / f"{model_name}-v{i}"
+                run_dir = Path(root) / f"{model_name.replace(':', '_')}-v{i}"
                 run_dir.mkdir(exist_ok=True)
-                step = sg.Guard(ddp, opt, spec.loss, run_dir, config=config).step
+                step = sg.Guard(ddp, opt, loss_fn, run_dir, config=config).step
                 runners[(model_name, name)] = _with_legacy_hook(step) if name == BEFORE else step
     steps = dict.fromkeys(runners, 0)
     times: dict[tuple[str, str], list[float]] = {key: [] for key in runners}
 
-    def window(key: tuple[str, str]) -> float:
+    def device_sync() -> None:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # a time ends when the GPU's work does
+
+    def sync() -> None:
+        device_sync()
         dist.barrier()
+
+    def window(key: tuple[str, str]) -> float:
+        sync()
         start = time.perf_counter()
         for _ in range(K):
-            runners[key](MODELS[key[0]].batch(steps[key], rank))
+            runners[key](batches[key[0]](steps[key], rank))
             steps[key] += 1
-        dist.barrier()
+        sync()
         return (time.perf_counter() - start) / K
 
     for key in runners:  # warm-up window: DDP bucket rebuild, settle, allocator, kernel build
         window(key)
     keys = list(runners)
     fb: dict[str, list[float]] = {m: [] for m in models}
-    plain_modules = {m: MODELS[m].build() for m in models}
+    plain_modules = {m: build(m) for m in models}
     for r in range(rounds):
         order = keys[r % len(keys) :] + keys[: r % len(keys)]
         for key in order:
             times[key].append(window(key))
         for m in models:  # the floor's numerator: one replay forward+backward on a plain module
+            module, _, loss_fn, make = plain_modules[m]
+            device_sync()
             start = time.perf_counter()
-            MODELS[m].loss(plain_modules[m], MODELS[m].batch(r, rank)).backward()  # type: ignore[no-untyped-call]
+            loss_fn(module, make(r, rank)).backward()  # type: ignore[no-untyped-call]
+            device_sync()
             fb[m].append(time.perf_counter() - start)
-            plain_modules[m].zero_grad(set_to_none=True)
+            module.zero_grad(set_to_none=True)
     return {"times": {f"{m}|{v}": ts for (m, v), ts in times.items()}, "fb": fb}
 
 
@@ -263,12 +323,79 @@ def side_by_side(summary: dict[str, dict[str, Any]]) -> str:
     return table(["ratio (median of per-round ratios)", *summary], rows)
 
 
+def planning(name: str, s: dict[str, Any]) -> str:
+    """For a user's model: the measured parts of the cost formula (docs/user-guide.md,
+    "Choosing replay_every and vote_every") and what replays cost at a few cadences."""
+    replay_share = s["replay_fwd_bwd_s"] / s["plain_step_s"]
+    lines = [
+        f"\n{describe(name)}: plain step {s['plain_step_s'] * 1e3:.1f} ms, replay fwd+bwd "
+        f"{s['replay_fwd_bwd_s'] * 1e3:.1f} ms ({replay_share:.2f} of a step)",
+        f"  per-step checks {s['per_step_checks_ratio']:.3f}x plain; default (replay and vote "
+        f"every {K}) {s['default_ratio']:.3f}x",
+        "  replays alone at replay_every=R add about fb/(R*step): "
+        + ", ".join(f"R={r}: +{replay_share / r:.1%}" for r in (10, 50, 100, 500)),
+    ]
+    return "\n".join(lines)
+
+
+def describe(name: str) -> str:
+    return f"your model ({name})" if ":" in name else MODELS[name].describe
+
+
+def launched() -> bool:
+    """Started by torchrun or `slurm-guard task` (one process per rank), not by hand."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _spawned(work: tuple[Any, ...], world: int) -> list[dict[str, Any]]:
+    """`world` local gloo processes, each posing as its own node; every rank's results."""
+    with tempfile.TemporaryDirectory(prefix="sg-bench-") as root:
+        outcomes = run_local(
+            _worker,
+            world,
+            (root, *work),
+            nodes=[f"node{i + 1}" for i in range(world)],
+            timeout=3600,
+        )
+    bad = [o for o in outcomes if o.status != "ok"]
+    if bad:
+        sys.exit(f"rank {bad[0].rank} {bad[0].status}:\n{bad[0].value}")
+    return [o.value for o in outcomes]
+
+
+def _launched(work: tuple[Any, ...]) -> list[dict[str, Any]] | None:
+    """This process is one rank of a launcher's job: join its group (NCCL and the GPU of
+    LOCAL_RANK where CUDA is) and measure; rank 0 gets its results, the others None."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        # one run directory for every rank: the guard checks that all ranks share it
+        default = "benchmarks/results/step-overhead-runs"
+        root = Path(os.environ.get("SLURM_GUARD_BENCH_DIR", default))
+        root = root / os.environ.get("SLURM_JOB_ID", os.environ.get("MASTER_PORT", "local"))
+        root.mkdir(parents=True, exist_ok=True)
+        mine = _worker(str(root), *work)
+    finally:
+        dist.destroy_process_group()
+    # rank 0's windows are the slowest rank's (barriers end them); its own replay timings
+    # stand for the others' (no object collective: it would need numpy to unpickle)
+    return [mine] if int(os.environ["RANK"]) == 0 else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds")
     parser.add_argument("--world", type=int, default=2, help="processes (one per fake node)")
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="PACKAGE.MODULE:FACTORY",
+        help="your model instead: factory() returns (model, optimizer, loss_fn, make_batch)",
+    )
     parser.add_argument("--all-variants", action="store_true", help="also vote-only, replay-only")
     parser.add_argument(
         "--before", action="store_true", help="also the hook's previous torch-op checks"
@@ -276,28 +403,24 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="output path (default benchmarks/results/)")
     args = parser.parse_args()
     rounds = args.rounds or (3 if args.quick else 8)
-    nodes = [f"node{i + 1}" for i in range(args.world)]
+    if args.model is not None:
+        load_factory(args.model)  # a wrong name fails here, before any process starts
+        args.models = [args.model]
     load_before = Path("/proc/loadavg").read_text().split()[:3]
-    with tempfile.TemporaryDirectory(prefix="sg-bench-") as root:
-        outcomes = run_local(
-            _worker,
-            args.world,
-            (root, rounds, args.models, args.all_variants, args.before),
-            nodes=nodes,
-            timeout=3600,
-        )
+    work = (rounds, args.models, args.all_variants, args.before)
+    values = _launched(work) if launched() else _spawned(work, args.world)
+    if values is None:
+        return  # not rank 0 under torchrun: rank 0 reports
+    args.world = int(os.environ["WORLD_SIZE"]) if launched() else args.world
     load_after = Path("/proc/loadavg").read_text().split()[:3]
-    bad = [o for o in outcomes if o.status != "ok"]
-    if bad:
-        sys.exit(f"rank {bad[0].rank} {bad[0].status}:\n{bad[0].value}")
     # a window's time is the slowest rank's (the barrier ends it); rank 0 measures it
-    raw: dict[str, list[float]] = outcomes[0].value["times"]
+    raw: dict[str, list[float]] = values[0]["times"]
     results: list[dict[str, Any]] = []
     summary: dict[str, dict[str, Any]] = {}
     default_config = VARIANTS["default"]
     assert default_config is not None and default_config.replay_every == K, "K != default"
     for m in args.models:
-        fb = median([t for o in outcomes for t in o.value["fb"][m]])
+        fb = median([t for v in values for t in v["fb"][m]])
         plain = median(raw[f"{m}|plain DDP"])
         floor = 1 + fb / (K * plain)
         ratios = {}
@@ -351,8 +474,11 @@ def main() -> None:
     print(table(headers, rows))
     print("\n" + side_by_side(summary))
     for m, s in summary.items():
+        if ":" in m:
+            print(planning(m, s))
+            continue
         print(
-            f"\n{MODELS[m].describe}: replay fwd+bwd {s['replay_fwd_bwd_s'] * 1e3:.1f} ms, "
+            f"\n{describe(m)}: replay fwd+bwd {s['replay_fwd_bwd_s'] * 1e3:.1f} ms, "
             f"floor = 1 + fb/(K*plain) = {s['floor']:.3f}\n"
             f"  per-step checks {s['per_step_checks_ratio']:.3f}x (goal <= {GOAL_CHECKS}): "
             f"{verdict(s['goal_checks_met'], s['goal_checks_doubt'])}\n"
@@ -365,7 +491,7 @@ def main() -> None:
     path = write_json(
         "step_overhead",
         {
-            "models": {m: MODELS[m].describe for m in args.models},
+            "models": {m: describe(m) for m in args.models},
             "world": args.world,
             "K": K,
             "rounds": rounds,

@@ -160,3 +160,41 @@ def noisy_replays(run_dir: str, steps: int, faults: tuple[sg.Fault, ...]) -> dic
     out = _train(guard, batches, steps, model)
     out["tolerance"] = guard.verifier.tolerance()
     return out
+
+
+def compiled_or_bf16(root: str, mode: str) -> list[dict[str, Any]]:
+    """The user guide's `torch.compile` and bf16 autocast rows: a clean run, then a run with a
+    persistent wrong gradient on rank 1 from step 4, in one process group.
+
+    `compile`: `torch.compile` on the module before DDP (backend `aot_eager`: dynamo's graph
+    capture and AOT autograd, which is what meets DDP and the guard's hooks, without building
+    C++ on two CPU cores). `bf16`: the forward under `torch.autocast(dtype=torch.bfloat16)`
+    inside `loss_fn`, no GradScaler (bf16 needs none).
+    """
+    rank = dist.get_rank()
+    out = []
+    faults_of = {"clean": (), "faulty": (sg.Fault("grad-scale", rank=1, step=4, persistent=True),)}
+    for name, faults in faults_of.items():
+        torch.manual_seed(0)
+        module: nn.Module = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        if mode == "compile":
+            module = torch.compile(module, backend="aot_eager")  # type: ignore[assignment]
+        ddp = DDP(module)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        seen: list[torch.dtype] = []  # the dtype the model computed in
+
+        def loss_fn(
+            m: nn.Module, batch: dict[str, torch.Tensor], seen: list[torch.dtype] = seen
+        ) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16"):
+                y = m(batch["x"])
+            seen.append(y.dtype)
+            return nn.functional.mse_loss(y.float(), batch["y"])
+
+        config = sg.GuardConfig(replay_every=5, vote_every=5, faults=faults)
+        guard = sg.Guard(ddp, opt, loss_fn, f"{root}/{name}", config=config)
+        result = _train(guard, lambda step: net_batch(step, rank), 8, module)
+        result["dtype"] = str(seen[-1])
+        out.append(result)
+        dist.barrier()
+    return out

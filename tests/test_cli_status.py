@@ -172,8 +172,9 @@ def test_after_the_resume_status_follows_the_current_history(
     assert view["last_verified_step"] == 15  # the restart's own replay at step 15 passed
     (alarm,) = view["alarms"]
     assert alarm["handled"] is True
-    # No controller journal here: say where it looked, never "undecided".
-    assert alarm["decision"] == "unknown" and str(tmp_path / "state") in alarm["decision_reason"]
+    # No controller journal here: say so and where it looked, never "undecided".
+    assert alarm["decision"] == "none" and str(tmp_path / "state") in alarm["decision_reason"]
+    assert "no controller has seen this run" in view["controller"]
 
 
 @real_runs

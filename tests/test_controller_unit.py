@@ -702,7 +702,7 @@ def test_dry_run_says_in_words_what_it_would_change(
         "would requeue job 100 and hold it",
         "would exclude node2, node3 from job 100",
         "would release job 100",
-        "would let job 100 start at now+2",
+        "would let job 100 start 2 s from now (StartTime=now+2)",
     ]
     assert reason.startswith(f"{REASON_PREFIX} job 100 step 340")
     assert slurm.calls == [] and store.read().entries == []

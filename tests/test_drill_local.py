@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,15 +17,32 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_local_drill_passes_every_stage(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["drill", "--local", "--work-dir", str(tmp_path), "--json"])
-    assert result.exit_code == 0, result.output
-    assert "drill PASSED" in result.output
-    report = json.loads(result.output[result.output.index("{\n") :])
+    """Run as a user runs it, with the ranks' own lines (stderr) in the same stream: each
+    stage's lines come before the next run's, and the last line says what to look at."""
+    args = ["-m", "slurm_guard.cli", "drill", "--local", "--work-dir", str(tmp_path), "--json"]
+    done = subprocess.run(
+        [sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    output = done.stdout
+    assert done.returncode == 0, output
+    assert "drill PASSED" in output
+    report = json.loads(output[output.index("{\n") :])
     names = [s["name"] for s in report["stages"]]
     assert all(s["passed"] for s in report["stages"]), report
     assert any("bit-identical" in n for n in names)
     assert any("controller decision" in n for n in names)
-    assert "would drain node2: slurm-guard: job 1001 step 20 check replay" in result.output
+    assert "would drain node2: slurm-guard: job 1001 step 20 check replay" in output
+    assert "would let job 1001 start 2 s from now (StartTime=now+2)" in output
+    lines = output[: output.index("{\n")].splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("[PASS] 1. clean run"))
+    alarm = next(i for i, line in enumerate(lines) if line.startswith("alarm job1001-"))
+    second = next(i for i, line in enumerate(lines) if line.startswith("[PASS] 2. guard stops"))
+    assert first < alarm < second, "\n".join(lines)
+    assert any(line.startswith("  ... clean run: ") for line in lines[:first])  # progress
+    assert lines[-1] == (
+        f"next: slurm-guard status {tmp_path}/faulty   "
+        f"slurm-guard report {tmp_path}/faulty -o {tmp_path}/faulty/report.html"
+    )
 
     clean, faulty = read_result(tmp_path / "clean"), read_result(tmp_path / "faulty")
     assert clean is not None and faulty is not None

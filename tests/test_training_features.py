@@ -111,3 +111,24 @@ def test_tolerance_mode_catches_a_10x_element_error_and_never_alarms_on_noise(
     out = _ok(run_local(noisy_replays, 4, args=(str(faulty), 40, fault), nodes=nodes))
     alarm = out[0]["alarm"]
     assert (alarm["step"], alarm["check"], alarm["suspect_ranks"]) == (30, "replay", [1])
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype"), [("compile", "torch.float32"), ("bf16", "torch.bfloat16")]
+)
+def test_compile_and_bf16_autocast_raise_no_false_alarm_and_still_catch_a_fault(
+    tmp_path: Path, mode: str, dtype: str
+) -> None:
+    """docs/user-guide.md's rows: `torch.compile` before DDP, bf16 autocast inside loss_fn."""
+    from feature_workers import compiled_or_bf16
+
+    for name in ("clean", "faulty"):
+        (tmp_path / name).mkdir()
+    out = _ok(run_local(compiled_or_bf16, 3, args=(str(tmp_path), mode), nodes=NODES))
+    clean, faulty = zip(*out, strict=True)
+    assert all(r["alarm"] is None for r in clean) and clean[0]["dtype"] == dtype
+    for r in clean[1:]:  # the replicas agree bit for bit
+        assert all(torch.equal(a, b) for a, b in zip(r["final"], clean[0]["final"], strict=True))
+    alarm = faulty[0]["alarm"]
+    assert (alarm["step"], alarm["check"], alarm["suspect_ranks"]) == (5, "replay", [1])
+    assert all(r["unchanged"] for r in faulty)

@@ -298,10 +298,11 @@ def _run(
 def report_cmd(run_dir: Path, output: Path, as_json: bool) -> None:
     """Write a run's timeline as one self-contained HTML page.
 
-    A plot over steps of the loss (where the ledger has it), the verification results by
-    check, the checkpoints, the alarm, the rollback and each restart, then the records as
-    tables. Reads only the run directory. The plot needs matplotlib
-    (pip install 'slurm-guard[report]'); without it the page has the tables only.
+    A plot over steps of the loss (a script records it with
+    slurm_guard.report.record_loss(run_dir, step, loss) on rank 0), the verification results
+    by check, the checkpoints, the alarm, the rollback and each restart (numbered as `status`
+    numbers them), then the records as tables. Reads only the run directory. The plot needs
+    matplotlib (pip install 'slurm-guard[report]'); without it the page has the tables only.
 
     Example:
 

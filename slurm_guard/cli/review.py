@@ -66,7 +66,8 @@ def review_group(ctx: click.Context, as_json: bool, state_dir: Path) -> None:
             click.echo(
                 "  "
                 + safe(
-                    f"{n['node']}: alarm {a['alarm_id']} job {a['job_id']} step {a['step']} "
+                    f"{n['node']}{' ' + a['gpu'] if a.get('gpu') else ''}: alarm "
+                    f"{a['alarm_id']} job {a['job_id']} step {a['step']} "
                     f"{a['check']}/{a['verdict']}: {a['message']}"
                 )
             )

@@ -128,7 +128,7 @@ def drill_cmd(
     A persistent fault on one node: the guard must stop the job, the controller drain exactly
     that node, the job come back without it, resume from the checkpoint before the fault and
     end with weights bit-identical to a clean run. --local runs it on local processes without
-    Slurm (25 s on two idle cores, up to two minutes when other work shares them). --sharded
+    Slurm (40 s on two idle cores, up to three minutes when other work shares them). --sharded
     runs a tiny Llama under HSDP (2 replica groups x shards) with ShardedGuard and DCP
     checkpoints instead of DDP; with --tp 2, FSDP2 + tensor parallel, a TP pair per node.
 

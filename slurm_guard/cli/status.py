@@ -22,6 +22,7 @@ from slurm_guard.cli.common import (
 )
 from slurm_guard.cli.options import json_option, runs_root_option, state_dir_option
 from slurm_guard.controller.state import StateStore
+from slurm_guard.report.timeline import resume_phrase
 
 
 def _print_status(view: dict[str, Any]) -> None:
@@ -33,15 +34,16 @@ def _print_status(view: dict[str, Any]) -> None:
             state += f", excluded {names(job['excluded_nodes'])}"
         if job.get("held"):
             state += ", held"
-    field("job", view.get("job_id") or "?", f"  ({state})")
+    field("job", view.get("job_id") or ("none" if view.get("local_run") else "?"), f"  ({state})")
     field("run dir", view.get("run_dir") or "? (not found)")
     if view.get("run_dir_error"):
         field("run dir problem", view["run_dir_error"])
     run = view.get("run") or {}
     if run.get("error"):
         field("run.json", run["error"])
-    checks = view.get("checks") or {}
-    field("checks", ", ".join(f"{k}={v}" for k, v in checks.items()) or "-")
+    if view.get("controller"):
+        field("controller", view["controller"])
+    field("checks", _checks_line(view.get("checks") or {}))
     if view.get("injected_faults"):
         field(
             "injected faults",
@@ -69,11 +71,12 @@ def _print_status(view: dict[str, Any]) -> None:
             "  (a restart loads it if the nodes still hold it; else the trusted checkpoint)",
         )
     for r in view.get("resumes", []):
+        moved = [str(m) for m in r.get("quarantined") or []]
         field(
             "resumed",
-            f"restart {r.get('restart_count')} from step {r.get('resumed_from_step')} after alarm ",
-            r.get("alarm_id"),
-            f" (moved aside: {', '.join(r.get('quarantined') or []) or '-'})",
+            resume_phrase(
+                r.get("restart"), r.get("resumed_from_step"), str(r.get("alarm_id")), moved
+            ),
         )
     for r in view.get("resumed_from", []):
         what = "nothing (step 0)" if r["step"] is None else f"{r['source']} step {r['step']}"
@@ -82,8 +85,7 @@ def _print_status(view: dict[str, Any]) -> None:
         field(
             "started from",
             what,
-            f"  (job {r['job_id']} restart {r['restart_count']} attempt {r['attempt']}: "
-            f"{ran}{where})",
+            f"  (job {r['job_id']}, attempt {r['attempt']}: {ran}{where})",
         )
     latest = view.get("latest_checkpoint")
     field("latest checkpoint", "none" if latest is None else f"step {latest}")
@@ -123,6 +125,12 @@ def _print_status(view: dict[str, Any]) -> None:
         ]
         click.echo(table(rows, ["ACTION", "TARGET", "RESULT", "DETAIL"]))
     _print_in_job(view)
+
+
+def _checks_line(checks: dict[str, Any]) -> str:
+    """The guard's settings from run.json, without `faults`: the injected faults have their
+    own line (from every source, SLURM_GUARD_INJECT too), and `faults=[]` above it misled."""
+    return ", ".join(f"{k}={v}" for k, v in checks.items() if k != "faults") or "-"
 
 
 def _print_in_job(view: dict[str, Any]) -> None:

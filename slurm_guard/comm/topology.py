@@ -18,24 +18,47 @@ import torch
 import torch.distributed as dist
 
 from slurm_guard.comm.collective import Collective
+from slurm_guard.comm.devices import gpu_identity
+from slurm_guard.rundir.gpus import GpuIdentity
 from slurm_guard.rundir.records import RankInfo
 
 _NAME_BYTES = 256
+_GPU_BYTES = 64  # a UUID (40 characters with "GPU-"), a PCI bus id (16)
 
 
-def local_rank_info(rank: int) -> RankInfo:
+def local_rank_info(rank: int, device: torch.device | None = None) -> RankInfo:
+    """Where this rank runs; `device` is the one it computes on (its GPU is recorded)."""
     hostname = socket.gethostname()
     return RankInfo(
-        rank=rank, node=os.environ.get("SLURMD_NODENAME") or hostname, hostname=hostname
+        rank=rank,
+        node=os.environ.get("SLURMD_NODENAME") or hostname,
+        hostname=hostname,
+        gpu=gpu_identity(device),
     )
 
 
-def _encode(text: str) -> list[int]:
+def _encode(text: str, size: int = _NAME_BYTES) -> list[int]:
     """A name as int64 words (8 UTF-8 bytes each, zero-padded): it travels in an int row."""
-    data = text.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")
-    return [
-        int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, _NAME_BYTES, 8)
-    ]
+    data = text.encode()[:size].ljust(size, b"\0")
+    return [int.from_bytes(data[i : i + 8], "little", signed=True) for i in range(0, size, 8)]
+
+
+def _encode_gpu(gpu: GpuIdentity | None) -> list[int]:
+    """index (-2: no GPU), node index (-1: unknown), UUID and PCI bus id (empty: unknown)."""
+    if gpu is None:
+        return [-2, -1] + _encode("", _GPU_BYTES) * 2
+    node = -1 if gpu.node_index is None else gpu.node_index
+    uuid, pci = _encode(gpu.uuid or "", _GPU_BYTES), _encode(gpu.pci_bus_id or "", _GPU_BYTES)
+    return [gpu.index, node, *uuid, *pci]
+
+
+def _decode_gpu(words: list[int]) -> GpuIdentity | None:
+    if words[0] == -2:
+        return None
+    half = _GPU_BYTES // 8
+    uuid, pci = _decode(words[2 : 2 + half]), _decode(words[2 + half :])
+    node = None if words[1] < 0 else words[1]
+    return GpuIdentity(words[0], node, uuid or None, pci or None)
 
 
 def _decode(words: list[int]) -> str:
@@ -49,16 +72,22 @@ def gather_rank_infos(
     device: torch.device | None = None,
     comm: Collective | None = None,
 ) -> list[RankInfo]:
-    """All ranks' node and host names through one all-gather of int rows (no pickling, no numpy).
+    """All ranks' node and host names and GPUs through one all-gather of int rows (no
+    pickling, no numpy).
 
     `device` is accepted for old callers and ignored: the group's backend decides the device.
     """
     del device
     comm = comm if comm is not None else Collective(group, me.node)
     words = _NAME_BYTES // 8
-    rows = comm.all_gather_rows(_encode(me.node) + _encode(me.hostname))
+    rows = comm.all_gather_rows(_encode(me.node) + _encode(me.hostname) + _encode_gpu(me.gpu))
     return [
-        RankInfo(rank=r, node=_decode(row[:words]), hostname=_decode(row[words:]))
+        RankInfo(
+            rank=r,
+            node=_decode(row[:words]),
+            hostname=_decode(row[words : 2 * words]),
+            gpu=_decode_gpu(row[2 * words :]),
+        )
         for r, row in enumerate(rows)
     ]
 

@@ -308,6 +308,7 @@ class Engine:
                 restart_count=f.alarm.restart_count,
                 suspect_nodes=list(f.alarm.suspect_nodes),
                 suspect_ranks=list(f.alarm.suspect_ranks),
+                suspect_gpus=list(f.alarm.suspect_gpus),
                 drain_reason=drain_reason(f.alarm)[:MAX_REASON_LEN],
                 message=f.alarm.message[:500],
                 evidence=f.alarm.evidence,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_guard.protocol import REASON_PREFIX
+from slurm_guard.rundir.gpus import gpu_label
 from slurm_guard.rundir.records import Alarm, RecordError, read_json_file
 from slurm_guard.slurm.parsers import NodeInfo
 
@@ -211,10 +212,13 @@ def foreign_node(node: NodeInfo) -> bool:
 
 
 def drain_reason(alarm: Alarm) -> str:
-    """Readable in `sinfo -R`, and parseable back into the alarm it came from."""
+    """Readable in `sinfo -R`, and parseable back into the alarm it came from; names the
+    suspect GPU (`gpu 3`) where the alarm recorded one, so the admin knows which to pull."""
+    gpu = gpu_label(alarm.suspect_gpus)
     return (
         f"{REASON_PREFIX} job {alarm.job_id} step {alarm.step} check {alarm.check} "
-        f"alarm {alarm.alarm_id}"
+        + (f"{gpu} " if gpu else "")
+        + f"alarm {alarm.alarm_id}"
     )
 
 

@@ -15,6 +15,7 @@ from slurm_guard.controller.views import (
     slurm_reason,
 )
 from slurm_guard.protocol import REASON_PREFIX
+from slurm_guard.rundir.gpus import gpu_label
 from slurm_guard.slurm.client import SlurmClient, SlurmCommandError
 
 _ALARM_IN_REASON = re.compile(r"\balarm (\S+)")
@@ -27,7 +28,8 @@ def _alarm_evidence(journal: Journal, node: str, reason: str | None) -> list[dic
         named = match is not None and match.group(1) == alarm_id
         if named or (node in e.get("suspect_nodes", []) and e.get("outcome") == "act"):
             related.append(
-                {
+                {"gpu": gpu_label(e.get("suspect_gpus"))}
+                | {
                     k: e.get(k)
                     for k in (
                         "alarm_id",
@@ -36,6 +38,7 @@ def _alarm_evidence(journal: Journal, node: str, reason: str | None) -> list[dic
                         "check",
                         "verdict",
                         "suspect_ranks",
+                        "suspect_gpus",
                         "message",
                         "evidence",
                         "run_dir",

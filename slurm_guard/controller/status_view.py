@@ -16,6 +16,8 @@ from slurm_guard.controller.views import (
     read_journal,
     resolve_target,
 )
+from slurm_guard.errors import GuardError
+from slurm_guard.report.timeline import ReportError, read_timeline, restart_numbers
 from slurm_guard.rundir import fault_effects
 from slurm_guard.rundir.layout import RunDir, RunDirError
 from slurm_guard.rundir.records import Alarm, LedgerEntry, RecordError, read_json_file, read_ledger
@@ -167,6 +169,42 @@ def _with_framework_checkpoints(
 # ------------------------------------------------------------------------ status
 
 
+def numbered_resumes(run_dir: Path, resumes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each resume with `restart`, the number the report gives its run (`restart_numbers`):
+    the rollback record's own `restart_count` is Slurm's, 0 for every start of a local run."""
+    try:
+        numbers = restart_numbers(read_timeline(run_dir))
+    except (ReportError, GuardError, OSError):
+        numbers = {}
+    return [{**r, "restart": numbers.get(r["alarm_id"], r.get("restart_count"))} for r in resumes]
+
+
+def controller_summary(
+    job_id: str | None, journal: Journal, journal_error: str | None, store: StateStore
+) -> str | None:
+    """None when the journal can speak of the run (it names the job, or it is unreadable and
+    that is shown instead); else, in plain words, why no decision can be shown."""
+    if journal_error is not None:
+        return None
+    if job_id is None or not store.journal_path.exists():
+        return no_controller_words(job_id, store)
+    return None
+
+
+def no_controller_words(job_id: str | None, store: StateStore) -> str:
+    """Why no controller decision is shown, in plain words: a local run has none to show; a
+    Slurm job's may sit in another state directory."""
+    if job_id is None:
+        return (
+            "no controller has seen this run: it ran without Slurm (no job id), so nothing "
+            "drains or requeues for it; the run directory's records are shown"
+        )
+    return (
+        f"no controller has seen this run in {store.root} (no journal there); if one handled "
+        "job " + job_id + ", pass its --state-dir"
+    )
+
+
 def _alarm_row(
     alarm: Alarm, journal: Journal, journal_error: str | None, store: StateStore, handled: set[str]
 ) -> dict[str, Any]:
@@ -176,7 +214,7 @@ def _alarm_row(
     elif journal_error is not None:
         outcome, why = "unknown", journal_error
     elif not store.journal_path.exists():
-        outcome, why = "unknown", f"no controller journal in {store.root} (pass --state-dir)"
+        outcome, why = "none", no_controller_words(alarm.job_id, store)
     else:
         outcome, why = "undecided", f"not in the journal in {store.root}"
     return {
@@ -187,6 +225,7 @@ def _alarm_row(
         "verdict": alarm.verdict,
         "suspect_nodes": list(alarm.suspect_nodes),
         "suspect_ranks": list(alarm.suspect_ranks),
+        "suspect_gpus": list(alarm.suspect_gpus),
         "last_verified_step": alarm.last_verified_step,
         "trusted_checkpoint": alarm.trusted_checkpoint,
         "message": alarm.message,
@@ -218,7 +257,7 @@ def _run_part(
     trust = trust_replays_of(config)
     view["trust_replays"] = trust
     resumes = rd.resumes()
-    view["resumes"] = resumes
+    view["resumes"] = numbered_resumes(run_dir, resumes)
     # What each start really loaded, as the guard recorded it (`rundir.resumes`): never a guess.
     view["resumed_from"] = [dataclasses.asdict(r) for r in read_resumes(run_dir)]
     preview = resume_preview(rd, trust)
@@ -285,6 +324,10 @@ def status_view(
     elif run_dir is not None:
         view["run_dir_error"] = f"{run_dir} is gone or not a directory"
     view["job"] = {k: v for k, v in job.items() if k not in ("known", "unreachable")}
+    if job_id is None and "job_id" in view.get("run", {}):
+        view["job"] = {"error": "the run ran without Slurm: run.json names no job id"}
+        view["local_run"] = True
+    view["controller"] = controller_summary(job_id, journal, journal_error, store)
     actions = []
     if job_id is not None:
         for e in journal.for_job(job_id):

@@ -176,7 +176,8 @@ class GuardBase:
             _refuse_model_parallel_ddp(ddp, group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        me = local_rank_info(self.rank)
+        # the device the model computes on: its GPU is named in run.json and in alarms
+        me = local_rank_info(self.rank, next((p.device for p in module.parameters()), None))
         self.node = me.node
         # Every collective of the guard goes through self.comm (device, agreement, watchdog).
         self.comm = Collective(group, me.node, self.config.watchdog_seconds)

@@ -20,6 +20,8 @@ from slurm_guard.drill.stages import (
     check,
     drill_fault,
     make_work_dir,
+    next_steps,
+    progress,
     short_digest,
 )
 from slurm_guard.protocol import EXIT_SDC
@@ -158,38 +160,37 @@ def run_local_drill(
     faulty = TrainSettings(
         run_dir=str(faulty_dir), steps=steps, inject=fault_spec, sharded=sharded, tp=tp
     )
+
+    def launch(what: str, settings: TrainSettings, env: dict[str, str], on: list[str]) -> Any:
+        """One set of local processes for one run, with progress lines while it runs: the
+        runs go one after the other, so each stage's lines come before the next run's."""
+        with progress(echo, what, Path(settings.run_dir)):
+            started = time.monotonic()
+            outcomes = run_local(
+                _local_worker,
+                len(on),
+                args=([{"settings": settings, "env": env}],),
+                nodes=on,
+                timeout=timeout,
+            )
+            return outcomes, time.monotonic() - started
+
     try:
-        spawn = time.monotonic()
-        outcomes = run_local(
-            _local_worker,
-            len(placed),
-            args=(
-                [
-                    {"settings": clean, "env": {"SLURM_JOB_ID": CLEAN_JOB_ID}},
-                    {"settings": faulty, "env": {"SLURM_JOB_ID": LOCAL_JOB_ID}},
-                ],
-            ),
-            nodes=placed,
-            timeout=timeout,
-        )
-        spawn_s = time.monotonic() - spawn
-        first_rank = outcomes[0].value if outcomes and outcomes[0].status == "ok" else []
-        times = [s.get("seconds", 0.0) for s in first_rank] + [0.0, 0.0]
-        with rec.stage("clean run (no fault)", spawn_s - times[1]) as d:
-            per_rank = _ranks_ok(outcomes, "clean and faulty runs")
-            clean_runs = _scenario(per_rank, 0, "the clean run")
-            first = clean_runs[0]
+        with rec.stage("clean run (no fault)") as d:
+            outcomes, wall = launch("clean run", clean, {"SLURM_JOB_ID": CLEAN_JOB_ID}, placed)
+            first = _scenario(_ranks_ok(outcomes, "the clean run"), 0, "the clean run")[0]
             check(first["alarm"] is None, f"the clean run raised an alarm: {first['alarm']}")
             result = first["result"]
             check(result["final_step"] == steps, f"stopped at step {result['final_step']}")
             d.append(
-                f"{steps} steps on {len(placed)} ranks in {first['seconds']:.1f} s "
-                f"(+{spawn_s - first['seconds'] - times[1]:.1f} s process "
-                f"start); final weights sha256 {short_digest(result['weight_sha256'])}"
+                f"{steps} steps on {len(placed)} ranks: {first['seconds']:.1f} s of training after "
+                f"{wall - first['seconds']:.1f} s of process start; final weights sha256 "
+                f"{short_digest(result['weight_sha256'])}"
             )
             report.facts["clean_sha256"] = result["weight_sha256"]
-        with rec.stage("guard stops the faulty run", times[1]) as d:
-            runs = _scenario(per_rank, 1, "the faulty run")
+        with rec.stage("guard stops the faulty run") as d:
+            outcomes, wall = launch("faulty run", faulty, {"SLURM_JOB_ID": LOCAL_JOB_ID}, placed)
+            runs = _scenario(_ranks_ok(outcomes, "the faulty run"), 0, "the faulty run")
             alarm = runs[0]["alarm"]
             check(alarm is not None, "the faulty run finished without an alarm")
             check(all(r["alarm"] == alarm for r in runs), "ranks disagree on the alarm")
@@ -199,7 +200,10 @@ def run_local_drill(
             files = list(RunDir(faulty_dir).alarms_dir.glob("*.json"))
             check(len(files) == 1, f"{len(files)} alarm files, expected 1")
             check(read_alarm(files[0]).alarm_id == alarm["alarm_id"], "alarm file differs")
-            d.append(f"after {runs[0]['seconds']:.1f} s: {alarm['message']}")
+            d.append(
+                f"stopped at step {alarm['step']}, {runs[0]['seconds']:.1f} s into training "
+                f"(after {wall - runs[0]['seconds']:.1f} s of process start): {alarm['message']}"
+            )
             d.append(
                 f"suspect {suspect} (rank {alarm['suspect_ranks'][0]}), update not applied; "
                 f"last verified step {alarm['last_verified_step']}, trusted checkpoint "
@@ -230,19 +234,9 @@ def run_local_drill(
             d += job_report.actions
         resumed_names = [n for n in names if n != suspect] + [f"node{nodes + 1}"]
         with rec.stage(f"requeued run on {','.join(resumed_names)} resumes and finishes") as d:
-            again = run_local(
-                _local_worker,
-                len(placed),
-                args=(
-                    [
-                        {
-                            "settings": faulty,
-                            "env": {"SLURM_JOB_ID": LOCAL_JOB_ID, "SLURM_RESTART_COUNT": "1"},
-                        }
-                    ],
-                ),
-                nodes=[n for n in resumed_names for _ in range(tp)],
-                timeout=timeout,
+            env = {"SLURM_JOB_ID": LOCAL_JOB_ID, "SLURM_RESTART_COUNT": "1"}
+            again, _ = launch(
+                "requeued run", faulty, env, [n for n in resumed_names for _ in range(tp)]
             )
             rerun = _ranks_ok(again, "requeued run")[0][0]
             check(rerun["alarm"] is None, f"the requeued run raised an alarm: {rerun['alarm']}")
@@ -276,4 +270,5 @@ def run_local_drill(
         pass
     report.seconds = time.monotonic() - began
     echo(f"drill {'PASSED' if report.ok else 'FAILED'} in {report.seconds:.1f} s")
+    echo(next_steps(faulty_dir, None))
     return report

@@ -17,6 +17,7 @@ from slurm_guard.drill.stages import (
     check,
     drill_fault,
     make_work_dir,
+    next_steps,
     short_digest,
 )
 from slurm_guard.protocol import DEFAULT_STATE_DIR
@@ -355,9 +356,9 @@ def run_slurm_drill(
                         os.environ.get("USER", "drill"),
                     )
                 )
-        echo(f"see the history: slurm-guard status {faulty_dir} --state-dir {opts.state_dir}")
     except StageFailed:
         pass
     report.seconds = time.monotonic() - began
     echo(f"drill {'PASSED' if report.ok else 'FAILED'} in {report.seconds:.1f} s")
+    echo(next_steps(faulty_dir, Path(opts.state_dir)))
     return report

@@ -6,6 +6,7 @@ The drills wait with `slurm_guard.slurm.polling.poll` (re-exported as `slurm_gua
 from __future__ import annotations
 
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_guard.errors import GuardError
+from slurm_guard.rundir.records import read_ledger
 
 Echo = Callable[[str], None]
 
@@ -122,3 +124,50 @@ def make_work_dir(work_dir: Path | None, prefix: str) -> Path:
 
 def short_digest(digest: str) -> str:
     return digest[:16]
+
+
+PROGRESS_FIRST_S = 3.0
+PROGRESS_EVERY_S = 10.0
+
+
+@contextmanager
+def progress(echo: Echo, what: str, run_dir: Path) -> Iterator[None]:
+    """A line after 3 s, then every 10 s, while a run goes on, saying how far it got (the
+    newest step the run's ledger verified since it began, or that it finished and its
+    processes are exiting), so a long wait never looks like a hang."""
+    stop = threading.Event()
+    began, wall = time.monotonic(), time.time()
+
+    def where() -> str:
+        result = run_dir / "result.json"
+        if result.exists() and result.stat().st_mtime >= wall:
+            return "training finished; the processes are exiting"
+        steps = [e.step for e in read_ledger(run_dir / "ledger.jsonl") if e.time >= wall]
+        if steps:
+            return f"verified up to step {max(steps)}"
+        return "starting the processes (importing torch, joining the process group)"
+
+    def tick() -> None:
+        wait = PROGRESS_FIRST_S
+        while not stop.wait(wait):
+            echo(f"  ... {what}: {where()} ({time.monotonic() - began:.0f} s)")
+            wait = PROGRESS_EVERY_S
+
+    thread = threading.Thread(target=tick, name="drill-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def next_steps(run_dir: Path, state_dir: Path | None) -> str:
+    """The drill's last line: what to look at in the directory it keeps (`state_dir`: the
+    controller's, when a real one journaled the run; the local drill's dry run journals
+    nothing)."""
+    state = f" --state-dir {state_dir}" if state_dir is not None else ""
+    return (
+        f"next: slurm-guard status {run_dir}{state}   "
+        f"slurm-guard report {run_dir} -o {run_dir}/report.html"
+    )

@@ -8,12 +8,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from slurm_guard.report.events import record_loss
 from slurm_guard.report.html import render_page
 from slurm_guard.report.plot import matplotlib_available, svg_figure
 from slurm_guard.report.timeline import ReportError, Timeline, read_timeline
 from slurm_guard.rundir.records import atomic_write_bytes
 
-__all__ = ["ReportError", "Timeline", "matplotlib_available", "read_timeline", "write_report"]
+__all__ = [
+    "ReportError",
+    "Timeline",
+    "matplotlib_available",
+    "read_timeline",
+    "record_loss",
+    "write_report",
+]
 
 
 def write_report(run_dir: Path, out: Path) -> Timeline:

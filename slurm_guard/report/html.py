@@ -14,8 +14,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from slurm_guard.report.timeline import Timeline
+from slurm_guard.report.timeline import Rollback, Start, Timeline, resume_phrase
 from slurm_guard.rundir import fault_effects
+from slurm_guard.rundir.gpus import gpu_label
 from slurm_guard.rundir.records import RecordError
 
 STYLE = """
@@ -36,6 +37,13 @@ code, pre { font-family: ui-monospace, 'SFMono-Regular', Menlo, monospace; font-
 pre { white-space: pre-wrap; word-break: break-all; background: #fafafa; padding: 6px; }
 figure { margin: 0; } .note { color: #757575; font-style: italic; }
 """
+
+
+NO_LOSS = (
+    "No loss recorded, so the plot shows verification results and run events only. To plot "
+    "it, call slurm_guard.report.record_loss(run_dir, step, loss) on rank 0 after each step "
+    "(docs/user-guide.md, section 5)."
+)
 
 
 def _e(value: Any) -> str:
@@ -93,12 +101,7 @@ def render_page(t: Timeline, svg: str | None) -> str:
     parts.append('<h2>Timeline</h2><figure id="timeline">')
     if svg is not None:
         parts.append(svg)
-        loss_note = (
-            ""
-            if t.losses
-            else '<p class="note">No loss in the ledger or the training events; the plot '
-            "shows verification results and run events only.</p>"
-        )
+        loss_note = "" if t.losses else f'<p class="note" id="no-loss">{_e(NO_LOSS)}</p>'
         parts.append(f"</figure>{loss_note}")
     else:
         parts.append(
@@ -152,7 +155,8 @@ def _alarms_section(t: Timeline) -> str:
                     f" (ranks {_e(', '.join(map(str, a.suspect_ranks)))})"
                     if a.suspect_ranks
                     else ""
-                ),
+                )
+                + _e(f" {gpu_label(a.suspect_gpus)}" if gpu_label(a.suspect_gpus) else ""),
                 _e(a.last_verified_step),
                 _e(a.trusted_checkpoint or "-"),
                 _e(a.message)
@@ -179,19 +183,15 @@ def _runs_section(t: Timeline) -> str:
         a = alarm_of.get(r)
         how = "first run" if r == 0 else f"restart {r}"
         if rb is not None:
-            moved = ", ".join(rb.quarantined) or "nothing"
-            source = t.resume_source(rb)
-            how += (
-                f": rolled back to step {rb.resumed_from_step}"
-                f"{f' ({source})' if source else ''} after alarm "
-                f"{rb.alarm_id} (moved aside: {moved})"
+            how = resume_phrase(
+                r, rb.resumed_from_step, rb.alarm_id, list(rb.quarantined), t.resume_source(rb)
             )
         end = f"alarm at step {a.step}" if a is not None else f"step {last}"
         rows.append(
             [
                 _e(how),
                 _e(", ".join(s.nodes) if s else "-"),
-                _e(s.step if s else first),
+                _e(_from_step(rb, s, first)),
                 _e(end),
                 _e(_when(s.time if s else None)),
             ]
@@ -201,6 +201,14 @@ def _runs_section(t: Timeline) -> str:
         + _table(["run", "nodes", "from step", "until", "started"], rows)
         + "</div>"
     )
+
+
+def _from_step(rb: Rollback | None, s: Start | None, first: int) -> int | None:
+    """The step a run began from: its rollback's resume step, else its start event's, else
+    its first record's (a run without either, seen only through its ledger)."""
+    if rb is not None and rb.resumed_from_step is not None:
+        return rb.resumed_from_step
+    return s.step if s is not None else first
 
 
 def _checks_section(t: Timeline) -> str:

@@ -31,7 +31,7 @@ from slurm_guard.rundir.resumes import ResumeRecord, read_resumes
 from slurm_guard.rundir.seals import located_checkpoints
 
 CHECKPOINT_PREFIX = "step-"
-EVENTS_FILE = "train-events.jsonl"  # written by slurm_guard.examples.train; optional
+EVENTS_FILE = "train-events.jsonl"  # written by record_loss and slurm_guard.examples.train
 
 
 class ReportError(RuntimeError):
@@ -311,6 +311,31 @@ def read_timeline(run_dir: Path) -> Timeline:
     _number_in_job_restarts(t)
     t.losses.sort(key=lambda x: (x[2], x[0]))
     return t
+
+
+def resume_phrase(
+    run: int | None, step: int | None, alarm_id: str, moved: list[str], source: str | None = None
+) -> str:
+    """One resume in the words `status` and the report both use, so they cannot drift:
+    `restart N from step P (snapshot) after alarm A (moved aside: ...)`. N is the run's number
+    in time order (`restart_numbers`), P the step the restarted run began from, and the source
+    what the guard recorded it loaded (`rundir.resumes`), where known."""
+    return (
+        f"restart {'?' if run is None else run} from step {'?' if step is None else step}"
+        f"{f' ({source})' if source else ''} after alarm {alarm_id} "
+        f"(moved aside: {', '.join(moved) or 'nothing'})"
+    )
+
+
+def restart_numbers(t: Timeline) -> dict[str, int | None]:
+    """alarm id -> the number of the run its rollback started, as the report draws it.
+
+    Slurm's restart count numbers a requeue; a local run (`slurm-guard local`, every start
+    has count 0) and a restart on a spare inside the allocation (same count) are numbered by
+    time instead (`_number_in_job_restarts`), so `status` asks here rather than printing the
+    rollback record's raw count.
+    """
+    return {rb.alarm_id: rb.restart_count for rb in t.rollbacks}
 
 
 def _number_in_job_restarts(t: Timeline) -> None:

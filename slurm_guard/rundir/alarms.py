@@ -13,7 +13,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from slurm_guard.checks.verdicts import Finding
 from slurm_guard.comm.collective import Collective
@@ -21,6 +21,7 @@ from slurm_guard.comm.topology import Topology
 from slurm_guard.errors import SilentDataCorruption
 from slurm_guard.faults.injection import Fault
 from slurm_guard.protocol import Check, Verdict
+from slurm_guard.rundir.gpus import GpuIdentity
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import Alarm, LedgerEntry, append_ledger, make_alarm_id
 from slurm_guard.rundir.seals import newest_located, run_id_of
@@ -166,6 +167,7 @@ class AlarmWriter:
             # an injected fault was active by this step: the alarm may be the drill's, not the
             # hardware's (the controller and status show it)
             injected=any(f.step <= step for f in self.faults),
+            suspect_gpus=tuple(_gpu_entry(self.topology.ranks[r].gpu) for r in suspects),
         )
 
     def trusted_for(self, last_verified: int | None, verified_steps: list[int]) -> str | None:
@@ -179,3 +181,8 @@ class AlarmWriter:
         if framework is not None and (best is None or framework.step > best.step):
             return str(framework.path)
         return None if best is None else self.run_dir.checkpoint_path(best.step).name
+
+
+def _gpu_entry(gpu: GpuIdentity | None) -> dict[str, Any] | None:
+    """A suspect rank's GPU as the alarm carries it (null on CPU)."""
+    return None if gpu is None else dataclasses.asdict(gpu)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_guard.protocol import ALARM_SCHEMA, LEDGER_SCHEMA, Check, Verdict
+from slurm_guard.rundir.gpus import GpuIdentity, parse_gpus
 
 logger = logging.getLogger(__name__)
 
@@ -158,11 +159,13 @@ def make_alarm_id(
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where one rank runs: the Slurm node name (what Slurm drains) and the real host name."""
+    """Where one rank runs: the Slurm node name (what Slurm drains), the real host name, and
+    its GPU (None on CPU)."""
 
     rank: int
     node: str
     hostname: str
+    gpu: GpuIdentity | None = None
 
 
 @dataclass(frozen=True)
@@ -187,10 +190,12 @@ class Alarm:
     created: float = field(default_factory=time.time)
     schema: int = ALARM_SCHEMA
     injected: bool = False  # a fault injected on purpose was active (optional in the file)
+    # per suspect rank, its GPU (GpuIdentity's fields) or None on CPU; optional in the file
+    suspect_gpus: tuple[dict[str, Any] | None, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        for key in ("suspect_ranks", "suspect_nodes", "suspect_hosts"):
+        for key in ("suspect_ranks", "suspect_nodes", "suspect_hosts", "suspect_gpus"):
             d[key] = list(d[key])
         return d
 
@@ -267,6 +272,10 @@ def parse_alarm(obj: Any, source: str = "alarm") -> Alarm:
     values = {k: v for k, v in obj.items() if k in known}
     for key in ("suspect_ranks", "suspect_nodes", "suspect_hosts"):
         values[key] = tuple(values[key])
+    try:
+        values["suspect_gpus"] = parse_gpus(obj.get("suspect_gpus"), len(ranks))
+    except ValueError as exc:
+        raise RecordError(f"{source}: {exc}") from None
     return Alarm(**values)
 
 

@@ -9,6 +9,7 @@ collective, the topology and the job's identity, and every failure reaches every
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import secrets
@@ -139,7 +140,7 @@ def write_run_file(
             "job_id": job_id,
             "restart_count": restart_count,
             "world_size": world_size,
-            "ranks": [r.__dict__ for r in topology.ranks],
+            "ranks": [dataclasses.asdict(r) for r in topology.ranks],  # gpu: null on CPU
             "replayer": list(topology.replayer),
             "config": config.summary(),
             # every fault this run injects, from GuardConfig.faults and SLURM_GUARD_INJECT

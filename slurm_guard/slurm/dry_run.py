@@ -175,7 +175,7 @@ class DryRunSlurm:
 
     def set_start_time(self, job_id: str, when: str) -> None:
         validate_start_time(when)
-        self._job_change(job_id, f"would let job {job_id} start at {when}")
+        self._job_change(job_id, f"would let job {job_id} start {_start_words(when)}")
 
     def submit(self, script: Path, args: Sequence[str] = ()) -> str:
         if isinstance(args, str):
@@ -183,3 +183,10 @@ class DryRunSlurm:
         options = f" with {' '.join(args)}" if args else ""
         self.changes.append(f"would submit {script}{options}")
         return "(dry run: not submitted)"
+
+
+def _start_words(when: str) -> str:
+    """`StartTime=now+2` in words with its unit (Slurm reads a bare `now+N` as seconds)."""
+    if when.startswith("now+") and when[4:].isdigit():
+        return f"{when[4:]} s from now (StartTime={when})"
+    return f"at {when} (StartTime={when})"
