@@ -376,17 +376,14 @@ def local_cmd(
 ) -> None:
     """Run a training script on local processes, each posing as a Slurm node.
 
-    -n N starts N ranks, each its own node. --nodes N --ranks-per-node G starts N x G ranks, G
-    to a node, as srun --ntasks-per-node=G places them: replays pair ranks of different nodes,
-    as on the cluster. Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT (init_process_group("gloo") reads them) and SLURMD_NODENAME; with
-    --ranks-per-node also GROUP_RANK, GROUP_WORLD_SIZE, ROLE_*, SLURM_NODEID, SLURM_LOCALID.
+    -n N: N ranks, each its own node. --nodes N --ranks-per-node G: N x G ranks placed as srun
+    --ntasks-per-node=G places them, with srun's and torchrun's variables (docs/cli.md); the
+    replays pair ranks of different nodes, as on the cluster.
 
-    Fails fast, like torchrun: when a rank exits with an error, the launcher names it (rank,
-    node, code) at once, stops the others within seconds and exits with that rank's code.
-    When a rank exits 86 (the guard's alarm), the others get --grace seconds to exit 86 too,
-    and the launcher exits 86 (torchrun turns 86 into 1). Ctrl-C, SIGTERM and SIGHUP stop
-    every rank before the launcher exits.
+    Fails fast, like torchrun: a rank that exits with an error is named at once (rank, node,
+    code), the others are stopped within seconds, and the launcher exits with its code. After
+    a rank exits 86 (an alarm) the others get --grace seconds to exit 86 too, and the launcher
+    exits 86 (torchrun turns it into 1). Ctrl-C, SIGTERM, SIGHUP stop every rank first.
 
     Example:
 
