@@ -138,7 +138,7 @@ class GuardReduceScatter(DefaultReduceScatter):
         output_tensor: torch.Tensor,
         input_tensor: torch.Tensor,
         group: dist.ProcessGroup,
-        op: dist.ReduceOp.RedOpType,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work:
         state = self.state
