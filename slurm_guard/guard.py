@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from slurm_guard.checks.replay import Microbatches
 from slurm_guard.checks.verdicts import bits_to_float
-from slurm_guard.comm.errors import LOGGED, CollectiveError
+from slurm_guard.comm.errors import CollectiveError, say_once
 from slurm_guard.core import checkpoints, decide
 from slurm_guard.core.base import live_guards
 from slurm_guard.core.calls import NO_SYNC
@@ -142,11 +142,12 @@ def exit_on_alarm() -> Iterator[None]:
     except CollectiveError as exc:
         # a named stop every rank reached together (a porting mistake, a rank gone, a hang):
         # its message says what to do; one line from rank 0 instead of a traceback per rank
-        _stop(f"stopped by slurm-guard: {type(exc).__name__}: {exc}", 1, said=str(exc) in LOGGED)
+        say_once(dist.get_rank() if dist.is_initialized() else 0, exc)
+        _stop(None, 1)
 
 
-def _stop(message: str, code: int, said: bool = False) -> NoReturn:
-    if not said and (not dist.is_initialized() or dist.get_rank() == 0):
+def _stop(message: str | None, code: int) -> NoReturn:
+    if message is not None and (not dist.is_initialized() or dist.get_rank() == 0):
         logger.error("%s", message)
     if dist.is_initialized():
         dist.destroy_process_group()

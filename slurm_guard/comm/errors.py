@@ -5,15 +5,25 @@ Each one is raised on every rank with the same text, so a job's logs agree on wh
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from slurm_guard.errors import GuardError
 
+logger = logging.getLogger("slurm_guard.comm")
+
 LISTED = 8  # ranks named in a message before "and N more"
 
 LOGGED: set[str] = set()
-"""Messages of this process's stops already logged (by rank 0's hang watch), so that
-`exit_on_alarm` does not say the same line again."""
+"""Messages of this process's stops already logged, so that a stop is said once."""
+
+
+def say_once(rank: int, error: GuardError) -> None:
+    """Rank 0 logs a stop that every rank raises (once per message); the others say nothing:
+    the hang watch's thread says it even while rank 0's own code is stuck elsewhere."""
+    if rank == 0 and str(error) not in LOGGED:
+        LOGGED.add(str(error))
+        logger.error("stopped by slurm-guard: %s: %s", type(error).__name__, error)
 
 
 class CollectiveError(GuardError):

@@ -47,11 +47,11 @@ from torch.distributed import PrefixStore, Store  # type: ignore[attr-defined]
 
 from slurm_guard.comm.errors import (
     LISTED,
-    LOGGED,
     CollectiveError,
     CollectiveMismatch,
     RanksMissing,
     listed,
+    say_once,
 )
 from slurm_guard.comm.torch_support import unsupported_torch
 from slurm_guard.errors import GuardError
@@ -156,8 +156,7 @@ class HangWatch:
             )
         self._listen = PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
         self._talk = PrefixStore(prefix, base.clone())  # type: ignore[attr-defined]
-        # the store rounds (`Collective.arrive`): the main thread's connection, this key space,
-        # so that a verdict can wake a rank waiting in one (`waiting_on`)
+        # store rounds (`Collective.arrive`): main thread's connection; a verdict wakes `waiting_on`
         self.rounds = PrefixStore(prefix + "rounds/", base)
         self.waiting_on: str | None = None
         self.rank, self.world, self.node, self.seconds = rank, world, node, seconds
@@ -393,12 +392,7 @@ class HangWatch:
             self._verdict_epoch = epoch
             futures, self._futures = self._futures, []
             self._cv.notify_all()
-        # every rank stops on the same verdict, which the rank raises: rank 0 logs it, once
-        if self.rank == 0:
-            logger.error("stopped by slurm-guard: %s: %s", type(error).__name__, error)
-            LOGGED.add(str(error))
-        else:
-            logger.debug("rank %d (%s): %s", self.rank, self.node, error)
+        say_once(self.rank, error)  # every rank raises the same verdict: rank 0 says it
         for future in futures:
             with contextlib.suppress(RuntimeError):
                 future.set_exception(RuntimeError(str(error)))  # type: ignore[arg-type]
