@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,7 @@ def quick_purge_cluster(
         chroot=Path(chroot) if chroot else None,
         slurm_user=user,
         min_job_age=5,
+        first_job_id=random.randrange(10_000, 60_000),  # not the session cluster's job ids
     )
     cluster.start()
     try:

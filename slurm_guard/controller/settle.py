@@ -78,7 +78,7 @@ def settle_restarts(
             _done(engine.store, entry, record, report)
             changed = True
             continue
-        if info is not None and info.state == "COMPLETED" and _alive(info, entry, "COMPLETED"):
+        if _alive(info, entry, "COMPLETED"):
             # it ran to the end without a record (a training script that never resumes)
             _done(engine.store, entry, record, report)
             changed = True

@@ -367,6 +367,8 @@ class LocalCluster:
             as. ``root`` hides permission problems a site has; a missing user is created.
         min_job_age: MinJobAge, seconds a finished job stays known to slurmctld before it is
             purged (a test of what outlives the purge sets a few seconds).
+        first_job_id: FirstJobId. A second cluster beside the session's starts elsewhere: job
+            ids pick the rendezvous port (`port_for_job`), and two job 1s on one host collide.
     """
 
     def __init__(
@@ -382,6 +384,7 @@ class LocalCluster:
         chroot: Path | None = None,
         slurm_user: str = "root",
         min_job_age: int = DEFAULT_MIN_JOB_AGE_S,
+        first_job_id: int = 1,
     ) -> None:
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
@@ -406,6 +409,9 @@ class LocalCluster:
         if min_job_age < 2:
             raise ValueError(f"min_job_age {min_job_age}: Slurm needs at least 2 s")
         self.min_job_age = min_job_age
+        if first_job_id < 1:
+            raise ValueError(f"first_job_id {first_job_id}: must be >= 1")
+        self.first_job_id = first_job_id
         self._popen: list[subprocess.Popen[bytes]] = []
 
     # ----------------------------------------------------------------- layout
@@ -519,6 +525,7 @@ class LocalCluster:
             "SlurmdTimeout=30",
             "InactiveLimit=0",
             f"MinJobAge={self.min_job_age}",
+            f"FirstJobId={self.first_job_id}",
             "KillWait=5",
             "Waittime=0",
             "JobRequeue=1",
@@ -1120,6 +1127,7 @@ class LocalCluster:
             "chroot": str(self.chroot) if self.chroot is not None else None,
             "slurm_user": self.slurm_user,
             "min_job_age": self.min_job_age,
+            "first_job_id": self.first_job_id,
             "pids": dict(pids),
         }
         tmp = self.state_path.with_suffix(".tmp")
@@ -1149,6 +1157,7 @@ class LocalCluster:
             chroot=Path(state["chroot"]) if state.get("chroot") else None,
             slurm_user=str(state.get("slurm_user", "root")),
             min_job_age=int(state.get("min_job_age", DEFAULT_MIN_JOB_AGE_S)),
+            first_job_id=int(state.get("first_job_id", 1)),
         )
 
     def _state_pids(self) -> dict[str, int]:
