@@ -91,11 +91,6 @@ class ShardedGuard(GuardBase, StepCalls):
                 "whose input the guard checks. Replication alone is data parallelism: use DDP "
                 "and sg.Guard"
             )
-        if self.config.abft and self.layout.tp > 1:
-            raise GuardError(
-                "GuardConfig(abft=True) under tensor parallel is not supported yet: the checked "
-                "GEMMs take plain tensors and TP's weights are DTensors (docs/integrations/fsdp.md)"
-            )
         mesh_field = {"layout": self.layout.describe(), "ranks": repr(self.layout.grid)}
         self._open_run(
             group=None,
