@@ -15,7 +15,7 @@ import logging
 import os
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from typing import NoReturn
 
 import torch
@@ -219,11 +219,11 @@ class GuardBase:
         if self.rank == 0:
             self.batches = BatchRecord(self.run_dir.root, self.fingerprinter, self.attempt)
 
-    def _wire_checks(self, module: nn.Module, injected: Sequence[Fault]) -> None:
-        """The fault injector (hooks on `module` for the `injected` faults), the alarm writer
-        and the checked GEMMs, in that order: the injector's gemm faults wrap the same layers
-        unchecked, so the checks must come after them."""
-        self.injector = FaultInjector(tuple(injected), self.rank, self.node, module)
+    def _wire_checks(self, module: nn.Module, hooked: Collection[str] | None = None) -> None:
+        """The fault injector (hooks on `module` for the faults of the `hooked` kinds; None:
+        all), the alarm writer and the checked GEMMs, in that order: the injector's gemm
+        faults wrap the same layers unchecked, so the checks must come after them."""
+        self.injector = FaultInjector(self.faults, self.rank, self.node, module, hooked)
         self.alarm_writer = AlarmWriter(
             run_dir=self.run_dir,
             comm=self.comm,

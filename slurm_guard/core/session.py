@@ -126,7 +126,7 @@ class GuardCore(GuardBase, StepCalls):
         )
         self.comm_device = self.comm.device
         warn_small_world(self.topology, self.rank)
-        self._wire_checks(self.module, self.faults)
+        self._wire_checks(self.module)
         self.hook = HookState(
             group=self.group,
             world_size=self.world_size,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,9 +214,20 @@ def _gemm_error(out: torch.Tensor, fault: Fault) -> None:
 class FaultInjector:
     """Applies this rank's faults through hooks on the real model, so replays see them too."""
 
-    def __init__(self, faults: tuple[Fault, ...], rank: int, node: str, module: nn.Module) -> None:
+    def __init__(
+        self,
+        faults: tuple[Fault, ...],
+        rank: int,
+        node: str,
+        module: nn.Module,
+        hooked: Collection[str] | None = None,
+    ) -> None:
+        """`hooked`: the kinds this injector applies through hooks on `module` (None: every
+        kind); a guard that applies the others itself (ShardedGuard, in its reduce-scatter)
+        still counts them through `apply`, so every fault is known here."""
         self.all_faults = faults  # every rank's, in the agreed order: the effects row's order
         self.faults = tuple(f for f in faults if f.targets(rank, node))
+        hooks = tuple(f for f in self.faults if hooked is None or f.kind in hooked)
         self.step = -1
         self.replaying = False
         self._noise_draws = 0
@@ -226,7 +237,7 @@ class FaultInjector:
         self._span: dict[int, tuple[int, int]] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         params = [p for p in module.parameters() if p.requires_grad]
-        for fault in self.faults:
+        for fault in hooks:
             if fault.kind in BACKWARD_KINDS:
                 param = params[fault.param % len(params)]
                 hook = self._grad_hook(fault)
@@ -240,13 +251,13 @@ class FaultInjector:
                     if next(m.parameters(recurse=False), None) is not None
                 )
                 self._handles.append(first.register_forward_hook(self._forward_hook(fault)))
-        for fault in self.faults:
+        for fault in hooks:
             if fault.kind == "replay-noise":
                 for index, param in enumerate(params):
                     hook = self._noise_hook(fault, index)
                     self._handles.append(param.register_hook(hook))  # type: ignore[no-untyped-call]
         self._weight_faults = [
-            (f, params[f.param % len(params)]) for f in self.faults if f.kind == "weight-bitflip"
+            (f, params[f.param % len(params)]) for f in hooks if f.kind == "weight-bitflip"
         ]
 
     def apply(

@@ -101,7 +101,7 @@ class ShardedGuard(GuardBase, StepCalls):
             allowed_faults=self._supported,
         )
         mine = [f for f in self.faults if f.targets(self.rank, self.node)]
-        self._wire_checks(model, [f for f in mine if f.kind in HOOK_KINDS])
+        self._wire_checks(model, hooked=HOOK_KINDS)
         self._grad_faults = [f for f in mine if f.kind in BACKWARD_KINDS]
         self._weight_faults = [f for f in mine if f.kind == "weight-bitflip"]
         self._reduction_faults = [f for f in mine if f.kind == "allreduce"]
