@@ -162,8 +162,9 @@ def test_the_report_names_what_a_rollback_loaded(tmp_path: Path) -> None:
     record = ResumeRecord("77", 1, 0, "checkpoint", 10, str(run / "checkpoints"), T0 + 59.9)
     atomic_write_json(resumes_dir(run) / f"{record.name}.json", dataclasses.asdict(record))
     write_report(run, tmp_path / "report.html")
+    # the words status uses too (report.timeline.resume_phrase), with what was loaded
     assert (
-        "rolled back to step 10 (checkpoint) after alarm" in (tmp_path / "report.html").read_text()
+        "restart 1 from step 10 (checkpoint) after alarm" in (tmp_path / "report.html").read_text()
     )
 
 
