@@ -89,9 +89,11 @@ def test_status_and_report_number_the_restart_and_its_step_alike(
     resumed = json.loads(handled.read_text())
     assert resumed["restart_count"] == 0  # a local run: Slurm's count says nothing here
     step = resumed["resumed_from_step"]
-    phrase = f"restart 1 from step {step} after alarm {alarm.alarm_id}"
+    # the source is what the restarted run's guard recorded it loaded (rundir/resumes.py)
+    phrase = f"restart 1 from step {step} (checkpoint) after alarm {alarm.alarm_id}"
     view = json.loads(_status(local_run, tmp_path / "state", "--json"))
-    assert [(r["restart"], r["resumed_from_step"]) for r in view["resumes"]] == [(1, step)]
+    resumes = [(r["restart"], r["resumed_from_step"], r["source"]) for r in view["resumes"]]
+    assert resumes == [(1, step, "checkpoint")]
     assert phrase in _status(local_run, tmp_path / "state")
     page = render_page(read_timeline(local_run), None)
     (first, restart) = _runs_table(page)

@@ -75,7 +75,11 @@ def _print_status(view: dict[str, Any]) -> None:
         field(
             "resumed",
             resume_phrase(
-                r.get("restart"), r.get("resumed_from_step"), str(r.get("alarm_id")), moved
+                r.get("restart"),
+                r.get("resumed_from_step"),
+                str(r.get("alarm_id")),
+                moved,
+                r.get("source"),
             ),
         )
     for r in view.get("resumed_from", []):

@@ -170,13 +170,23 @@ def _with_framework_checkpoints(
 
 
 def numbered_resumes(run_dir: Path, resumes: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each resume with `restart`, the number the report gives its run (`restart_numbers`):
-    the rollback record's own `restart_count` is Slurm's, 0 for every start of a local run."""
+    """Each resume with `restart`, the number the report gives its run (`restart_numbers`),
+    and `source`, what the guard recorded it loaded, as the report shows it: the rollback
+    record's own `restart_count` is Slurm's, 0 for every start of a local run."""
     try:
-        numbers = restart_numbers(read_timeline(run_dir))
+        timeline = read_timeline(run_dir)
+        numbers = restart_numbers(timeline)
+        sources = {rb.alarm_id: timeline.resume_source(rb) for rb in timeline.rollbacks}
     except (ReportError, GuardError, OSError):
-        numbers = {}
-    return [{**r, "restart": numbers.get(r["alarm_id"], r.get("restart_count"))} for r in resumes]
+        numbers, sources = {}, {}
+    return [
+        {
+            **r,
+            "restart": numbers.get(r["alarm_id"], r.get("restart_count")),
+            "source": sources.get(r["alarm_id"]),  # what the guard recorded it loaded
+        }
+        for r in resumes
+    ]
 
 
 def controller_summary(
