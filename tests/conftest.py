@@ -103,6 +103,19 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
 
 
+CLUSTER_FIXTURES = frozenset({"slurm_cluster", "idle_slurm_cluster", "slurm_client"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses the cluster is a Slurm test, marked or not: CI runs the Slurm tests in
+    their own stream (`-m slurm`) and every other test beside them (`-m "not slurm"`), so an
+    unmarked one would start a second cluster there, or be counted as no Slurm test."""
+    for item in items:
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            if item.get_closest_marker("slurm") is None:
+                item.add_marker(pytest.mark.slurm)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if "slurm" not in report.keywords:
         return
