@@ -14,7 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sharded_layout_workers import ddp_clean, ddp_over_tp, pipeline, resume_3x2, train, train_3x2
+from sharded_layout_workers import (
+    TRUST_ONE,
+    ddp_clean,
+    ddp_over_tp,
+    pipeline,
+    resume_3x2,
+    train,
+    train_3x2,
+)
 
 from slurm_guard.checks.verdicts import ReplayResult
 from slurm_guard.comm.topology import RankInfo, Topology
@@ -122,13 +130,34 @@ FSDP4 = functools.partial(train, shards=4)
 
 
 @pytest.mark.distributed
-def test_fsdp_tp_2x2_a_rank_fault_convicts_nobody(tmp_path: Path) -> None:
-    """(Its clean run: test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one.)"""
-    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,rank=3,step=1,persistent=1"}
-    alarm = _alarm(run_local(TP22, 4, args=(str(tmp_path), 3), nodes=PAIRS[:4], extra_env=inject))
+def test_fsdp_tp_2x2_a_rank_fault_convicts_nobody_and_resumes_from_a_replayed_snapshot(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 2 x TP 2 with snapshots: no replica, so a snapshot follows each passing replay
+    (the state that replayed step started from), with a copy on the peer node.
+
+    Launch 1: a persistent fault on rank 3 from step 3 alarms at the replay of step 4; two
+    data-parallel indices have no third to settle it, so the verdict convicts nobody.
+    Launch 2, on node1 and node3 (node2 replaced, its memory gone): the ledger proves the
+    snapshot of step 2 by its passing replay, ranks 2 and 3 get their shards from node1, and
+    the run ends bit-identical to the unguarded one. (Its clean run:
+    test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one.)"""
+    run, shm = str(tmp_path / "run"), str(tmp_path / "shm")
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,rank=3,step=3,persistent=1"}
+    snapshots = functools.partial(TP22, shm=shm, config=TRUST_ONE)
+    alarm = _alarm(run_local(snapshots, 4, args=(run, 5), nodes=PAIRS[:4], extra_env=inject))
     # two data-parallel indices: rank 3 and its partner disagree, and no third index settles
-    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "ambiguous", 2)
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "ambiguous", 4)
     assert 3 in alarm["suspect_ranks"] and set(alarm["suspect_ranks"]) <= {1, 3}
+    assert alarm["last_verified_step"] == 2
+    elsewhere = ["node1", "node1", "node3", "node3"]
+    again = functools.partial(snapshots, resume=True, compare=True)
+    resumed = _values(run_local(again, 4, args=(run, 5), nodes=elsewhere))
+    for v in resumed:
+        assert v["start"] == 2
+        assert v["losses"] == v["plain"]["losses"][2:] and v["digest"] == v["plain"]["digest"]
+    # node1 keeps node2's copies; its first rank sends both
+    assert [v["restored_from_peers"] for v in resumed] == [[], [], [0], [0]]
 
 
 @pytest.mark.distributed
