@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from sharded_layout_workers import (
     TRUST_ONE,
     ddp_clean,
@@ -26,9 +27,14 @@ from sharded_layout_workers import (
 
 from slurm_guard.checks.verdicts import ReplayResult
 from slurm_guard.comm.topology import RankInfo, Topology
+from slurm_guard.errors import GuardError
 from slurm_guard.local.launch import RankOutcome, run_local
 from slurm_guard.protocol import Verdict
+from slurm_guard.rundir.records import RecordError
+from slurm_guard.rundir.trust import parse_checkpoint_meta
+from slurm_guard.sharded.checkpoint import other_mesh
 from slurm_guard.sharded.layout import Layout
+from slurm_guard.sharded.snapshot_state import apply_shards, mesh_of
 from slurm_guard.sharded.verdict import judge_by_tp
 
 PAIRS = ["node1", "node1", "node2", "node2", "node3", "node3"]  # dp=3 x tp=2, 2 ranks a node
@@ -89,6 +95,56 @@ def test_a_fault_on_a_whole_node_is_judged_per_tp_index() -> None:
     assert finding.suspect_ranks == (2, 3)
 
 
+def test_a_sharded_checkpoint_records_its_mesh_and_another_layout_is_refused_by_name() -> None:
+    fsdp_tp, fsdp4 = Layout((((0, 1), (2, 3)),)), Layout((((0,), (1,), (2,), (3,)),))
+    recorded = {
+        **{"schema": 1, "step": 2, "weight_fingerprint": "ab", "clean_vote": True, "world_size": 4},
+        "files": {".metadata": "00"},
+        "restart_count": 0,
+        "created": 1.0,
+        "shard_fingerprints": ["00"] * 4,
+        "layout": fsdp_tp.describe(),
+        "coordinates": fsdp_tp.coordinates(),
+    }
+    meta = parse_checkpoint_meta(json.loads(json.dumps(recorded)), "meta")
+    assert (meta.layout, meta.coordinates) == (
+        "FSDP2 2 x TP 2",
+        [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]],
+    )
+    assert other_mesh(meta, 4, fsdp_tp) is None
+    said = other_mesh(meta, 4, fsdp4)
+    assert said is not None and said.startswith(
+        "checkpoint step-00000002 was saved on FSDP2 2 x TP 2 and this run is FSDP2 4 (rank 1 "
+        "at [replicate, shard, TP] [0, 0, 1] there, [0, 1, 0] here)"
+    )
+    assert "Resume on the saved layout (FSDP2 2 x TP 2, on 4 ranks)" in said
+    assert "SLURM_GUARD_RESUME=fresh" in said
+    other_order = Layout((((0, 2), (1, 3)),))  # the same shape, the ranks placed otherwise
+    assert "rank 1 at [replicate, shard, TP] [0, 0, 1] there, [0, 1, 0] here" in str(
+        other_mesh(meta, 4, other_order)
+    )
+    assert "on 4 ranks and this run has 8" in str(other_mesh(meta, 8, fsdp4))
+    older = {k: v for k, v in recorded.items() if k not in ("layout", "coordinates")}
+    meta = parse_checkpoint_meta(older, "meta")  # an older slurm-guard's: its shards prove it
+    assert meta.coordinates is None and other_mesh(meta, 4, fsdp4) is None
+    for bad in (
+        {"layout": 4},
+        {"coordinates": "FSDP2 4"},
+        {"coordinates": [[0, 0, 0]] * 3},  # not one per rank
+        {"coordinates": [[0, 0]] * 4},
+        {"coordinates": [[0, 0, "1"]] * 4},
+        {"coordinates": [[0, True, 0]] * 4},
+        {"coordinates": [[0, -1, 0]] * 4},
+    ):
+        with pytest.raises(RecordError):
+            parse_checkpoint_meta({**recorded, **bad}, "meta")
+    # a shard snapshot records its place too, and is not loaded at another
+    saved = {"model": {}, "optimizer": {}, "mesh": mesh_of(fsdp_tp, 1)}
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(GuardError, match=r"FSDP2 2 x TP 2.*this rank is at.*FSDP2 4"):
+        apply_shards(model, torch.optim.SGD(model.parameters()), saved, mesh_of(fsdp4, 1))
+
+
 # ------------------------------------------------------------------ dp=3 x tp=2, 3 nodes
 
 
@@ -140,11 +196,13 @@ def test_fsdp_tp_2x2_a_rank_fault_convicts_nobody_and_resumes_from_a_replayed_sn
     data-parallel indices have no third to settle it, so the verdict convicts nobody.
     Launch 2, on node1 and node3 (node2 replaced, its memory gone): the ledger proves the
     snapshot of step 2 by its passing replay, ranks 2 and 3 get their shards from node1, and
-    the run ends bit-identical to the unguarded one. (Its clean run:
+    the run ends bit-identical to the unguarded one (the checkpoint of step 2 is older than
+    nothing: the snapshot of the same step is taken). Launch 3, the same ranks as FSDP2 4:
+    the checkpoint's recorded layout refuses the resume by name. (Its clean run:
     test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one.)"""
     run, shm = str(tmp_path / "run"), str(tmp_path / "shm")
     inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,rank=3,step=3,persistent=1"}
-    snapshots = functools.partial(TP22, shm=shm, config=TRUST_ONE)
+    snapshots = functools.partial(TP22, shm=shm, config=TRUST_ONE, save_at=(2,))
     alarm = _alarm(run_local(snapshots, 4, args=(run, 5), nodes=PAIRS[:4], extra_env=inject))
     # two data-parallel indices: rank 3 and its partner disagree, and no third index settles
     assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "ambiguous", 4)
@@ -158,6 +216,12 @@ def test_fsdp_tp_2x2_a_rank_fault_convicts_nobody_and_resumes_from_a_replayed_sn
         assert v["losses"] == v["plain"]["losses"][2:] and v["digest"] == v["plain"]["digest"]
     # node1 keeps node2's copies; its first rank sends both
     assert [v["restored_from_peers"] for v in resumed] == [[], [], [0], [0]]
+    # Launch 3: the same 4 ranks as FSDP2 4 find the checkpoint of step 2 (FSDP2 2 x TP 2)
+    refused = run_local(functools.partial(FSDP4, resume=True), 4, args=(run, 5), nodes=ONE_EACH)
+    assert [o.status for o in refused] == ["error"] * 4, [o.value for o in refused]
+    said = str(refused[0].value)
+    assert "saved on FSDP2 2 x TP 2 and this run is FSDP2 4" in said, said
+    assert "SLURM_GUARD_RESUME=fresh" in said
 
 
 @pytest.mark.distributed
