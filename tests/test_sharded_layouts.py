@@ -234,11 +234,11 @@ def test_plain_fsdp2_replays_and_names_the_node_of_a_gradient_fault(tmp_path: Pa
     assert alarm["suspect_nodes"] == ["node2"] and alarm["suspect_ranks"] == [1]
 
 
-# FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below.
+# FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below; HSDP + TP's:
+# test_hsdp_tp_resumes_on_another_node_set_from_a_checkpoint_then_a_snapshot.
 LAYOUTS = {
     "fsdp2": (4, functools.partial(train, shards=4, compare=True)),
     "hsdp": (4, functools.partial(train, shards=2, replicas=2, compare=True)),
-    "hsdp+tp": (8, functools.partial(train, shards=2, replicas=2, tp=2, compare=True)),
 }
 
 
@@ -250,6 +250,48 @@ def test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one(
     world, worker = LAYOUTS[name]
     nodes = [f"node{r // 2 + 1}" for r in range(world)]
     _identical(_values(run_local(worker, world, args=(str(tmp_path), 3), nodes=nodes)))
+
+
+HSDP_TP = functools.partial(train, shards=2, replicas=2, tp=2, config=TRUST_ONE, save_at=(2,))
+FOUR = ["node1", "node1", "node2", "node2", "node3", "node3", "node4", "node4"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hsdp_tp_resumes_on_another_node_set_from_a_checkpoint_then_a_snapshot(
+    tmp_path: Path,
+) -> None:
+    """HSDP 2 x 2 x TP 2 (8 ranks, 2 a node on 4 nodes), snapshots in a directory per node
+    and a sealed DCP checkpoint of step 2; replays and votes every 2 steps.
+
+    Launch 1, clean: guarded (with its snapshots and its save) bit-identical to unguarded.
+    Launch 2, the run restarted with the nodes' memory gone (another snapshot root): it loads
+    the DCP checkpoint of step 2 on the 3-D mesh; a persistent fault on node2 from step 5 is
+    convicted at the replay of step 6 (the vote of step 5 passes: the replicas agree on the
+    wrong update). Launch 3, on node1, node5, node3, node4 (node2 replaced, node5 empty): the
+    snapshot of step 4 (launch 2's, taken after the DCP load) is restored, ranks 2 and 3 from
+    node3's copies, and the run ends bit-identical to launch 1's unguarded one, which also
+    shows the checkpoint load of launch 2 was exact."""
+    run = str(tmp_path / "run")
+    first = functools.partial(HSDP_TP, compare=True, shm=str(tmp_path / "shm1"))
+    clean = _values(run_local(first, 8, args=(run, 7), nodes=FOUR))
+    _identical(clean)
+    assert clean[0]["layout"] == "HSDP 2x2 x TP 2"
+    shm = str(tmp_path / "shm2")
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,node=node2,step=5,persistent=1"}
+    restart = functools.partial(HSDP_TP, resume=True, shm=shm)
+    alarm = _alarm(run_local(restart, 8, args=(run, 7), nodes=FOUR, extra_env=inject))
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "sdc", 6)
+    assert alarm["suspect_nodes"] == ["node2"] and alarm["last_verified_step"] == 4
+    (record,) = [json.loads(p.read_text()) for p in (tmp_path / "run" / "resumes").iterdir()]
+    assert (record["source"], record["step"]) == ("checkpoint", 2)
+    elsewhere = [*FOUR[:2], "node5", "node5", *FOUR[4:]]
+    resumed = _values(run_local(restart, 8, args=(run, 7), nodes=elsewhere))
+    for a, b in zip(clean, resumed, strict=True):
+        assert b["start"] == 4
+        assert b["losses"] == a["plain"]["losses"][4:] and b["digest"] == a["plain"]["digest"]
+    # node3 keeps node2's copies; its first rank sends both
+    assert [v["restored_from_peers"] for v in resumed] == [[], [], [4], [4], [], [], [], []]
 
 
 @pytest.mark.distributed
