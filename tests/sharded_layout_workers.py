@@ -141,11 +141,13 @@ def train(
     resume: bool = False,
     save_at: tuple[int, ...] = (),
     titan: bool = False,
+    shm: str | None = None,
 ) -> dict[str, Any]:
     """Train `steps` guarded (from the resumed step with resume=True); with compare=True,
     first the same steps unguarded on the same mesh. Returns what the tests read.
 
-    `titan`: torchtitan's own Llama3 and parallelization (FSDP2 2 x TP 2) instead."""
+    `titan`: torchtitan's own Llama3 and parallelization (FSDP2 2 x TP 2) instead.
+    `shm`: snapshots on, in a directory per node under it (standing in for /dev/shm)."""
     from slurm_guard import GuardConfig, ShardedGuard
     from slurm_guard.examples.tiny_llama import next_token_loss
     from slurm_guard.sharded.vote import local_state
@@ -155,6 +157,8 @@ def train(
     model = _model(mesh, tp, 99 if resume else 0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     settings = {"replay_every": 2, "vote_every": 2, "seed": 7, **(config or {})}
+    if shm is not None:
+        settings.update(snapshots=True, snapshot_dir=f"{shm}/{{node}}")
     loss_fn = titan_loss if titan else next_token_loss
     guard = ShardedGuard(model, optimizer, loss_fn, run_dir, GuardConfig(**settings))
     start = guard.resume() if resume else 0
@@ -164,8 +168,12 @@ def train(
         losses.append(guard.step(batch(step, dp_index)))
         if guard.step_count in save_at:
             guard.save_checkpoint()
+    snapshots = guard.snapshots
+    if snapshots is not None:
+        snapshots.copier.wait()  # the last snapshot is on its node before the test looks
     return {
         "start": start,
+        "restored_from_peers": snapshots.restored_from_peers if snapshots else [],
         "losses": losses,
         "digest": _digest(local_state(model, optimizer)),
         "verified": list(guard.verified_steps),

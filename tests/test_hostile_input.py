@@ -101,6 +101,8 @@ META = {
     "world_size": 3,
     "restart_count": 0,
     "created": 1.0,
+    "layout": "FSDP2 3",  # a sharded checkpoint's mesh
+    "coordinates": [[0, 0, 0], [0, 1, 0], [0, 2, 0]],
 }
 
 

@@ -14,13 +14,27 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sharded_layout_workers import ddp_clean, ddp_over_tp, pipeline, resume_3x2, train, train_3x2
+import torch
+from sharded_layout_workers import (
+    TRUST_ONE,
+    ddp_clean,
+    ddp_over_tp,
+    pipeline,
+    resume_3x2,
+    train,
+    train_3x2,
+)
 
 from slurm_guard.checks.verdicts import ReplayResult
 from slurm_guard.comm.topology import RankInfo, Topology
+from slurm_guard.errors import GuardError
 from slurm_guard.local.launch import RankOutcome, run_local
 from slurm_guard.protocol import Verdict
+from slurm_guard.rundir.records import RecordError
+from slurm_guard.rundir.trust import parse_checkpoint_meta
+from slurm_guard.sharded.checkpoint import other_mesh
 from slurm_guard.sharded.layout import Layout
+from slurm_guard.sharded.snapshot_state import apply_shards, mesh_of
 from slurm_guard.sharded.verdict import judge_by_tp
 
 PAIRS = ["node1", "node1", "node2", "node2", "node3", "node3"]  # dp=3 x tp=2, 2 ranks a node
@@ -81,6 +95,56 @@ def test_a_fault_on_a_whole_node_is_judged_per_tp_index() -> None:
     assert finding.suspect_ranks == (2, 3)
 
 
+def test_a_sharded_checkpoint_records_its_mesh_and_another_layout_is_refused_by_name() -> None:
+    fsdp_tp, fsdp4 = Layout((((0, 1), (2, 3)),)), Layout((((0,), (1,), (2,), (3,)),))
+    recorded = {
+        **{"schema": 1, "step": 2, "weight_fingerprint": "ab", "clean_vote": True, "world_size": 4},
+        "files": {".metadata": "00"},
+        "restart_count": 0,
+        "created": 1.0,
+        "shard_fingerprints": ["00"] * 4,
+        "layout": fsdp_tp.describe(),
+        "coordinates": fsdp_tp.coordinates(),
+    }
+    meta = parse_checkpoint_meta(json.loads(json.dumps(recorded)), "meta")
+    assert (meta.layout, meta.coordinates) == (
+        "FSDP2 2 x TP 2",
+        [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]],
+    )
+    assert other_mesh(meta, 4, fsdp_tp) is None
+    said = other_mesh(meta, 4, fsdp4)
+    assert said is not None and said.startswith(
+        "checkpoint step-00000002 was saved on FSDP2 2 x TP 2 and this run is FSDP2 4 (rank 1 "
+        "at [replicate, shard, TP] [0, 0, 1] there, [0, 1, 0] here)"
+    )
+    assert "Resume on the saved layout (FSDP2 2 x TP 2, on 4 ranks)" in said
+    assert "SLURM_GUARD_RESUME=fresh" in said
+    other_order = Layout((((0, 2), (1, 3)),))  # the same shape, the ranks placed otherwise
+    assert "rank 1 at [replicate, shard, TP] [0, 0, 1] there, [0, 1, 0] here" in str(
+        other_mesh(meta, 4, other_order)
+    )
+    assert "on 4 ranks and this run has 8" in str(other_mesh(meta, 8, fsdp4))
+    older = {k: v for k, v in recorded.items() if k not in ("layout", "coordinates")}
+    meta = parse_checkpoint_meta(older, "meta")  # an older slurm-guard's: its shards prove it
+    assert meta.coordinates is None and other_mesh(meta, 4, fsdp4) is None
+    for bad in (
+        {"layout": 4},
+        {"coordinates": "FSDP2 4"},
+        {"coordinates": [[0, 0, 0]] * 3},  # not one per rank
+        {"coordinates": [[0, 0]] * 4},
+        {"coordinates": [[0, 0, "1"]] * 4},
+        {"coordinates": [[0, True, 0]] * 4},
+        {"coordinates": [[0, -1, 0]] * 4},
+    ):
+        with pytest.raises(RecordError):
+            parse_checkpoint_meta({**recorded, **bad}, "meta")
+    # a shard snapshot records its place too, and is not loaded at another
+    saved = {"model": {}, "optimizer": {}, "mesh": mesh_of(fsdp_tp, 1)}
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(GuardError, match=r"FSDP2 2 x TP 2.*this rank is at.*FSDP2 4"):
+        apply_shards(model, torch.optim.SGD(model.parameters()), saved, mesh_of(fsdp4, 1))
+
+
 # ------------------------------------------------------------------ dp=3 x tp=2, 3 nodes
 
 
@@ -122,13 +186,42 @@ FSDP4 = functools.partial(train, shards=4)
 
 
 @pytest.mark.distributed
-def test_fsdp_tp_2x2_a_rank_fault_convicts_nobody(tmp_path: Path) -> None:
-    """(Its clean run: test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one.)"""
-    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,rank=3,step=1,persistent=1"}
-    alarm = _alarm(run_local(TP22, 4, args=(str(tmp_path), 3), nodes=PAIRS[:4], extra_env=inject))
+def test_fsdp_tp_2x2_a_rank_fault_convicts_nobody_and_resumes_from_a_replayed_snapshot(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 2 x TP 2 with snapshots: no replica, so a snapshot follows each passing replay
+    (the state that replayed step started from), with a copy on the peer node.
+
+    Launch 1: a persistent fault on rank 3 from step 3 alarms at the replay of step 4; two
+    data-parallel indices have no third to settle it, so the verdict convicts nobody.
+    Launch 2, on node1 and node3 (node2 replaced, its memory gone): the ledger proves the
+    snapshot of step 2 by its passing replay, ranks 2 and 3 get their shards from node1, and
+    the run ends bit-identical to the unguarded one (the checkpoint of step 2 is older than
+    nothing: the snapshot of the same step is taken). Launch 3, the same ranks as FSDP2 4:
+    the checkpoint's recorded layout refuses the resume by name. (Its clean run:
+    test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one.)"""
+    run, shm = str(tmp_path / "run"), str(tmp_path / "shm")
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,rank=3,step=3,persistent=1"}
+    snapshots = functools.partial(TP22, shm=shm, config=TRUST_ONE, save_at=(2,))
+    alarm = _alarm(run_local(snapshots, 4, args=(run, 5), nodes=PAIRS[:4], extra_env=inject))
     # two data-parallel indices: rank 3 and its partner disagree, and no third index settles
-    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "ambiguous", 2)
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "ambiguous", 4)
     assert 3 in alarm["suspect_ranks"] and set(alarm["suspect_ranks"]) <= {1, 3}
+    assert alarm["last_verified_step"] == 2
+    elsewhere = ["node1", "node1", "node3", "node3"]
+    again = functools.partial(snapshots, resume=True, compare=True)
+    resumed = _values(run_local(again, 4, args=(run, 5), nodes=elsewhere))
+    for v in resumed:
+        assert v["start"] == 2
+        assert v["losses"] == v["plain"]["losses"][2:] and v["digest"] == v["plain"]["digest"]
+    # node1 keeps node2's copies; its first rank sends both
+    assert [v["restored_from_peers"] for v in resumed] == [[], [], [0], [0]]
+    # Launch 3: the same 4 ranks as FSDP2 4 find the checkpoint of step 2 (FSDP2 2 x TP 2)
+    refused = run_local(functools.partial(FSDP4, resume=True), 4, args=(run, 5), nodes=ONE_EACH)
+    assert [o.status for o in refused] == ["error"] * 4, [o.value for o in refused]
+    said = str(refused[0].value)
+    assert "saved on FSDP2 2 x TP 2 and this run is FSDP2 4" in said, said
+    assert "SLURM_GUARD_RESUME=fresh" in said
 
 
 @pytest.mark.distributed
@@ -141,11 +234,11 @@ def test_plain_fsdp2_replays_and_names_the_node_of_a_gradient_fault(tmp_path: Pa
     assert alarm["suspect_nodes"] == ["node2"] and alarm["suspect_ranks"] == [1]
 
 
-# FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below.
+# FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below; HSDP + TP's:
+# test_hsdp_tp_resumes_on_another_node_set_from_a_checkpoint_then_a_snapshot.
 LAYOUTS = {
     "fsdp2": (4, functools.partial(train, shards=4, compare=True)),
     "hsdp": (4, functools.partial(train, shards=2, replicas=2, compare=True)),
-    "hsdp+tp": (8, functools.partial(train, shards=2, replicas=2, tp=2, compare=True)),
 }
 
 
@@ -157,6 +250,48 @@ def test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one(
     world, worker = LAYOUTS[name]
     nodes = [f"node{r // 2 + 1}" for r in range(world)]
     _identical(_values(run_local(worker, world, args=(str(tmp_path), 3), nodes=nodes)))
+
+
+HSDP_TP = functools.partial(train, shards=2, replicas=2, tp=2, config=TRUST_ONE, save_at=(2,))
+FOUR = ["node1", "node1", "node2", "node2", "node3", "node3", "node4", "node4"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hsdp_tp_resumes_on_another_node_set_from_a_checkpoint_then_a_snapshot(
+    tmp_path: Path,
+) -> None:
+    """HSDP 2 x 2 x TP 2 (8 ranks, 2 a node on 4 nodes), snapshots in a directory per node
+    and a sealed DCP checkpoint of step 2; replays and votes every 2 steps.
+
+    Launch 1, clean: guarded (with its snapshots and its save) bit-identical to unguarded.
+    Launch 2, the run restarted with the nodes' memory gone (another snapshot root): it loads
+    the DCP checkpoint of step 2 on the 3-D mesh; a persistent fault on node2 from step 5 is
+    convicted at the replay of step 6 (the vote of step 5 passes: the replicas agree on the
+    wrong update). Launch 3, on node1, node5, node3, node4 (node2 replaced, node5 empty): the
+    snapshot of step 4 (launch 2's, taken after the DCP load) is restored, ranks 2 and 3 from
+    node3's copies, and the run ends bit-identical to launch 1's unguarded one, which also
+    shows the checkpoint load of launch 2 was exact."""
+    run = str(tmp_path / "run")
+    first = functools.partial(HSDP_TP, compare=True, shm=str(tmp_path / "shm1"))
+    clean = _values(run_local(first, 8, args=(run, 7), nodes=FOUR))
+    _identical(clean)
+    assert clean[0]["layout"] == "HSDP 2x2 x TP 2"
+    shm = str(tmp_path / "shm2")
+    inject = {"SLURM_GUARD_INJECT": "kind=grad-scale,node=node2,step=5,persistent=1"}
+    restart = functools.partial(HSDP_TP, resume=True, shm=shm)
+    alarm = _alarm(run_local(restart, 8, args=(run, 7), nodes=FOUR, extra_env=inject))
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "sdc", 6)
+    assert alarm["suspect_nodes"] == ["node2"] and alarm["last_verified_step"] == 4
+    (record,) = [json.loads(p.read_text()) for p in (tmp_path / "run" / "resumes").iterdir()]
+    assert (record["source"], record["step"]) == ("checkpoint", 2)
+    elsewhere = [*FOUR[:2], "node5", "node5", *FOUR[4:]]
+    resumed = _values(run_local(restart, 8, args=(run, 7), nodes=elsewhere))
+    for a, b in zip(clean, resumed, strict=True):
+        assert b["start"] == 4
+        assert b["losses"] == a["plain"]["losses"][4:] and b["digest"] == a["plain"]["digest"]
+    # node3 keeps node2's copies; its first rank sends both
+    assert [v["restored_from_peers"] for v in resumed] == [[], [], [4], [4], [], [], [], []]
 
 
 @pytest.mark.distributed

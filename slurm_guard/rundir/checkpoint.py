@@ -157,11 +157,14 @@ def publish(
     restart_count: int,
     run_id: str | None = None,
     shard_fingerprints: list[str] | None = None,
+    layout: str | None = None,
+    coordinates: list[list[int]] | None = None,
 ) -> Path:
     """Rank 0, after every rank wrote its files: seal with meta.json and rename into place.
 
     `shard_fingerprints`: a sharded checkpoint (DCP files, `slurm_guard.sharded.checkpoint`)
-    records each rank's shard fingerprint, which that rank verifies on resume."""
+    records each rank's shard fingerprint, which that rank verifies on resume, and its mesh
+    (`layout`, each rank's `coordinates`), which a resume on another mesh is refused by."""
     files = {
         p.name: sha256_file(p)
         for p in sorted(stage.iterdir())
@@ -178,6 +181,8 @@ def publish(
         created=time.time(),
         run_id=run_id,
         shard_fingerprints=shard_fingerprints,
+        layout=layout,
+        coordinates=coordinates,
     )
     atomic_write_json(stage / "meta.json", meta.__dict__)
     final = run_dir.checkpoint_path(step)

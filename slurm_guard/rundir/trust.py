@@ -32,6 +32,10 @@ class CheckpointMeta:
     run_id: str | None = None  # identity.json's run_id of the run that saved it
     # a sharded (DCP) checkpoint: each rank's shard fingerprint, in rank order; None for DDP
     shard_fingerprints: list[str] | None = None
+    # a sharded checkpoint's mesh: its description ("HSDP 2x2 x TP 2") and every rank's
+    # [replicate, shard, TP] coordinate in rank order; None where an older slurm-guard saved it
+    layout: str | None = None
+    coordinates: list[list[int]] | None = None
 
 
 def parse_checkpoint_meta(obj: Any, source: str) -> CheckpointMeta:
@@ -60,6 +64,8 @@ def parse_checkpoint_meta(obj: Any, source: str) -> CheckpointMeta:
             ),
             run_id=str(obj["run_id"]) if isinstance(obj.get("run_id"), str) else None,
             shard_fingerprints=_shard_fingerprints(obj.get("shard_fingerprints"), source),
+            layout=_layout(obj.get("layout"), source),
+            coordinates=_coordinates(obj.get("coordinates"), int(obj["world_size"]), source),
         )
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise RecordError(f"{source}: malformed checkpoint metadata ({exc})") from None
@@ -71,6 +77,26 @@ def _shard_fingerprints(value: Any, source: str) -> list[str] | None:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise RecordError(f"{source}: 'shard_fingerprints' must be a list of strings")
     return list(value)
+
+
+def _layout(value: Any, source: str) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise RecordError(f"{source}: 'layout' must be a string")
+    return value
+
+
+def _coordinates(value: Any, world_size: int, source: str) -> list[list[int]] | None:
+    """Each rank's [replicate, shard, TP] coordinate: one per rank, three naturals each."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != world_size:
+        raise RecordError(f"{source}: 'coordinates' must list one coordinate per rank")
+    for c in value:
+        if not isinstance(c, list) or len(c) != 3:
+            raise RecordError(f"{source}: each of 'coordinates' must be [replicate, shard, TP]")
+        if not all(type(x) is int and x >= 0 for x in c):
+            raise RecordError(f"{source}: 'coordinates' must hold natural numbers")
+    return [list(c) for c in value]
 
 
 TRUST_POINT = "trust_point"

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from slurm_guard.config import GuardConfig
     from slurm_guard.fingerprint.tree import Fingerprinter
     from slurm_guard.rundir.layout import RunDir
+    from slurm_guard.sharded.layout import Layout
 
 
 class GuardState(Protocol):
@@ -53,6 +54,7 @@ class GuardState(Protocol):
     comm: Collective
     run_dir: RunDir
     fingerprinter: Fingerprinter
+    layout: Layout
     rank: int
     world_size: int
     job_id: str | None
@@ -165,6 +167,8 @@ def save_checkpoint(guard: GuardState) -> Path:
                 restart_count=guard.restart_count,
                 run_id=guard.run_id,
                 shard_fingerprints=shards,
+                layout=guard.layout.describe(),
+                coordinates=guard.layout.coordinates(),
             )
         except Exception as exc:
             logger.exception("could not publish checkpoint %s", path)
@@ -215,20 +219,36 @@ def load_shards(guard: GuardState, step: int) -> None:
         )
 
 
-def other_mesh(meta: CheckpointMeta, world_size: int) -> str | None:
-    """Why a sharded checkpoint of another world size stops the resume, or None.
+def other_mesh(meta: CheckpointMeta, world_size: int, layout: Layout | None = None) -> str | None:
+    """Why a sharded checkpoint of another world size or layout stops the resume, or None.
 
-    Each rank's shards are verified against the fingerprint that rank sealed, so only the
-    same number of ranks can load it; and an older checkpoint would be the same, so this is
+    Each rank's shards are verified against the fingerprint that rank sealed, so only the same
+    mesh can load it: the same number of ranks, each at the (replicate, shard, TP) coordinate
+    it was saved at (`meta.coordinates`; a checkpoint of an older slurm-guard records none, and
+    its shard fingerprints alone prove it). An older checkpoint would be the same, so this is
     not damage to skip past but a setting to change.
     """
-    if meta.shard_fingerprints is None or meta.world_size == world_size:
+    if meta.shard_fingerprints is None:
         return None
+    saved, at = f"checkpoint step-{meta.step:08d} was saved", meta.coordinates
+    if meta.world_size != world_size:
+        why = f"{saved} on {meta.world_size} ranks and this run has {world_size}"
+        where = f"on {meta.world_size} ranks (the same mesh)"
+    elif layout is None or at is None or at == layout.coordinates():
+        return None
+    else:
+        here = layout.coordinates()
+        rank = next(r for r, c in enumerate(at) if c != here[r])
+        what = meta.layout or "another mesh"
+        why = (
+            f"{saved} on {what} and this run is {layout.describe()} (rank {rank} at "
+            f"[replicate, shard, TP] {at[rank]} there, {here[rank]} here)"
+        )
+        where = f"on the saved layout ({what}, on {meta.world_size} ranks)"
     return (
-        f"checkpoint step-{meta.step:08d} was saved on {meta.world_size} ranks and this run "
-        f"has {world_size}: a sharded checkpoint is verified shard by shard on the mesh that "
-        f"saved it. Resume on {meta.world_size} ranks (the same mesh), or start fresh "
-        "(SLURM_GUARD_RESUME=fresh, which moves the checkpoints to quarantine/)"
+        f"{why}: a sharded checkpoint is verified shard by shard on the mesh that saved it. "
+        f"Resume {where}, or start fresh (SLURM_GUARD_RESUME=fresh, which moves the "
+        "checkpoints to quarantine/)"
     )
 
 
@@ -243,7 +263,7 @@ def resume(guard: GuardState) -> int:
         guard.config.trust_replays,
         lambda step: load_shards(guard, step),
         run_id=guard.run_id,
-        refuse=lambda meta: other_mesh(meta, guard.world_size),
+        refuse=lambda meta: other_mesh(meta, guard.world_size, guard.layout),
         snapshots=guard.snapshots,
     )
     guard.verified_steps = resumed.verified_steps

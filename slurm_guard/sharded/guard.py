@@ -25,6 +25,7 @@ from slurm_guard.config import GuardConfig
 from slurm_guard.core import decide
 from slurm_guard.core.base import GuardBase, check_arguments
 from slurm_guard.core.calls import StepCalls, StepPlan
+from slurm_guard.core.snapshot_proof import STARTED_FROM
 from slurm_guard.errors import GuardError
 from slurm_guard.faults import Fault
 from slurm_guard.faults.injection import (
@@ -33,6 +34,7 @@ from slurm_guard.faults.injection import (
     flip_element,
     scale_and_shift,
 )
+from slurm_guard.fingerprint.tree import as_hex
 from slurm_guard.protocol import Check
 from slurm_guard.rundir.checkpoint import rng_state
 from slurm_guard.rundir.layout import RunDir
@@ -128,7 +130,7 @@ class ShardedGuard(GuardBase, StepCalls):
         self.rng_after_step: dict[str, torch.Tensor] | None = None
         self._open = None
         self._checked = None
-        self._rng_at_begin: dict[str, torch.Tensor] | None = None  # a trust point's RNG
+        self._rng_at_begin: dict[str, torch.Tensor] | None = None  # a checked step's RNG
         self._trust_points = self.layout.replicas == 1 and self.abft is not None
         # No copy to vote on (FSDP2, FSDP2 + TP): snapshots follow the checked steps instead.
         self._snap_at_checks = self.layout.replicas == 1 and (
@@ -200,13 +202,11 @@ class ShardedGuard(GuardBase, StepCalls):
             self.abft.reset()
         self.injector.step = step
         seed = self.fingerprinter.seed
-        verify = self.layout.dp_indices > 1 and self.config.is_replay_step(step, seed)
-        if (
-            self.snapshots is not None
-            and self._snap_at_checks
-            and self.config.is_replay_step(step, seed)
-        ):
-            self._rng_at_begin = rng_state()  # what a snapshot of this step's start restores
+        verify_due = self.config.is_replay_step(step, seed)
+        verify = self.layout.dp_indices > 1 and verify_due
+        # a snapshot of this step's start may follow its checks: the RNG it restores
+        snap = self.snapshots is not None and self._snap_at_checks and verify_due
+        self._rng_at_begin = rng_state() if snap else None
         captured = capture(batch)
         self.optimizer.zero_grad(set_to_none=True)
         self.rs_state.reset(fingerprint=verify)
@@ -221,30 +221,38 @@ class ShardedGuard(GuardBase, StepCalls):
                 "(False)?): call the guard around the backward that synchronises"
             )
         grads = [shard(p.grad) for p in self.params if p.grad is not None]
-        result = self.verifier.check_step(plan.step, losses[0], plan.captured, plan.verify, grads)
-        trusted = result.finding is None and self._trust_point(plan.step)
+        # the state this step started from, where a snapshot of it may follow the checks: its
+        # fingerprint goes into the ledger entry that proves the snapshot (`snapshot_proof`)
+        lanes = self.shard_fingerprint() if self._rng_at_begin is not None else None
+        result = self.verifier.check_step(
+            plan.step, losses[0], plan.captured, plan.verify, grads, started_from=lanes
+        )
+        trusted = result.finding is None and self._trust_point(plan.step, lanes)
         if result.verified or trusted:
             self.last_verified_step = plan.step
             self.verified_steps.append(plan.step)
         if result.finding is not None:
             self.alarm(result.finding, plan.step, update_applied=False)
         checked = trusted or (result.verified and self._snap_at_checks)
-        if checked and result.finding is None and self.snapshots is not None:
+        if checked and result.finding is None and lanes is not None:
             # the state this checked step started from, before the update changes it
-            self._snapshot(plan.step, self.shard_fingerprint(), self._rng_at_begin)
+            self._snapshot(plan.step, lanes, self._rng_at_begin)
         if self.snapshots is not None:
             self.snapshots.fence()  # the snapshot in flight has read the shards the update writes
         return result
 
-    def _trust_point(self, step: int) -> bool:
+    def _trust_point(self, step: int, started_from: torch.Tensor | None) -> bool:
         """Pure FSDP2 with `abft=True`: no replica to replay against, so at the replay cadence a
         step whose checked GEMMs, conservation and finite checks passed counts toward trust
-        (recorded in the ledger; docs/integrations/fsdp.md, "Trust without replicas")."""
+        (recorded in the ledger; docs/integrations/fsdp.md, "Trust without replicas").
+        `started_from`: rank 0's shards as the step began, recorded for the snapshot of them."""
         if not self._trust_points:
             return False
         if not self.config.is_replay_step(step, self.fingerprinter.seed):
             return False
         detail: dict[str, object] = {TRUST_POINT: "GEMMs, conservation, finite checks passed"}
+        if started_from is not None and self.rank == 0:
+            detail[STARTED_FROM] = as_hex(started_from)
         self._ledger(step, Check.ABFT, True, detail)
         return True
 

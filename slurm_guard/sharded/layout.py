@@ -117,6 +117,11 @@ class Layout:
         ordered = [s for s in shifts if apart(s)] + [s for s in shifts if not apart(s)]
         return ordered[0], (ordered[1] if len(ordered) > 1 else None)
 
+    def coordinates(self) -> list[list[int]]:
+        """Every rank's [replicate, shard, TP], in rank order (what a checkpoint records)."""
+        world = self.replicas * self.shards * self.tp
+        return [list(self.coordinate(rank)) for rank in range(world)]
+
     def describe(self) -> str:
         kind = "FSDP2" if self.replicas == 1 else "HSDP"
         shape = f"{self.shards}" if self.replicas == 1 else f"{self.replicas}x{self.shards}"

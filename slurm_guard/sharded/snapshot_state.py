@@ -3,8 +3,9 @@
 Under FSDP2 every rank holds a different part of the model, so a node's snapshot is worth
 nothing without all of its ranks' shards. Each rank's snapshot is its local shards (parameters,
 persistent buffers, optimizer state: plain tensors, not DTensors, so a file never depends on a
-device mesh), its RNG state and its shard fingerprint. Restoring copies the saved shards into
-the model's and optimizer's own DTensors, in place, and proves the fingerprint.
+device mesh), its RNG state, its shard fingerprint and its place on the mesh (`mesh_of`).
+Restoring checks the place, copies the saved shards into the model's and optimizer's own
+DTensors, in place, and proves the fingerprint.
 
 The copy for the peer node travels as one flat byte tensor on the backend's device (one send,
 no serialization of the large part on the step's path) and a small description of its layout.
@@ -28,7 +29,11 @@ from slurm_guard.sharded.vote import shard
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["apply_shards", "flatten", "local_tree", "shard_state", "unflatten"]
+    from slurm_guard.sharded.layout import Layout
+
+Mesh = dict[str, Any]  # {"layout": "FSDP2 2 x TP 2", "coordinate": [replicate, shard, TP]}
+
+__all__ = ["apply_shards", "flatten", "local_tree", "mesh_of", "shard_state", "unflatten"]
 
 ALIGN = 16  # bytes: every tensor in the flat buffer starts aligned for any dtype's view
 FLAT = "__flat__"  # marks a leaf that lives in the flat buffer: [offset, dtype, shape]
@@ -58,20 +63,37 @@ def shard_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     }
 
 
-def local_tree(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's shards of the state, as plain tensors viewing the live ones."""
+def local_tree(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict[str, Any]:
+    """This rank's shards of the state, as plain tensors viewing the live ones, and where on
+    the mesh they belong (`mesh_of`)."""
     tree: dict[str, Any] = _local(shard_state(model, optimizer))
-    return tree
+    return {**tree, "mesh": mesh}
 
 
-def apply_shards(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Any) -> None:
+def mesh_of(layout: Layout, rank: int) -> Mesh:
+    """A rank's place as its snapshot records it: the layout's description and the rank's
+    [replicate, shard, TP] coordinate."""
+    return {"layout": layout.describe(), "coordinate": list(layout.coordinate(rank))}
+
+
+def apply_shards(
+    model: nn.Module, optimizer: torch.optim.Optimizer, saved: Any, mesh: Mesh
+) -> None:
     """Copy saved local shards into the model's and optimizer's tensors, in place.
 
     Fails closed: a saved state whose keys, shapes or dtypes differ from this model's (another
-    model, another mesh) is a GuardError, never a partial load.
+    model, another mesh), or that records another place on the mesh than `mesh`, is a
+    GuardError, never a partial load. A snapshot of an older slurm-guard records no place; its
+    shapes and its sealed fingerprint prove it.
     """
     if not isinstance(saved, dict) or set(saved) < {"model", "optimizer"}:
         raise GuardError("not a shard snapshot (no model and optimizer state)")
+    there = saved.get("mesh")
+    if there is not None and there != mesh:
+        raise GuardError(
+            f"shard snapshot of {there} and this rank is at {mesh} (another layout: resume on "
+            "the saved one, or from a checkpoint)"
+        )
     target = shard_state(model, optimizer)
     with torch.no_grad():
         merged = _merge(target, {"model": saved["model"], "optimizer": saved["optimizer"]}, "")

@@ -40,7 +40,7 @@ from slurm_guard.rundir.snapshots import (
     snapshot_key,
     snapshot_root,
 )
-from slurm_guard.sharded.snapshot_state import apply_shards, flatten, local_tree, unflatten
+from slurm_guard.sharded.snapshot_state import apply_shards, flatten, local_tree, mesh_of, unflatten
 
 if TYPE_CHECKING:
     from torch import nn
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from slurm_guard.config import GuardConfig
     from slurm_guard.fingerprint.tree import Fingerprinter
     from slurm_guard.rundir.layout import RunDir
+    from slurm_guard.sharded.layout import Layout
 
 
 class ShardedRun(Protocol):
@@ -68,6 +69,7 @@ class ShardedRun(Protocol):
     model: nn.Module
     optimizer: torch.optim.Optimizer
     fingerprinter: Fingerprinter
+    layout: Layout
 
     def shard_fingerprint(self) -> torch.Tensor: ...
 
@@ -102,7 +104,7 @@ class ShardSnapshots(NodeSnapshots):
         layout, flat = b"", torch.empty(0, dtype=torch.uint8, device=device)
         try:  # a rank that cannot build its copy sends an empty one: its peer waits for one
             own = {
-                **local_tree(guard.model, guard.optimizer),
+                **local_tree(guard.model, guard.optimizer, mesh_of(guard.layout, self.rank)),
                 "rng": rng,
                 "fingerprint": fingerprint,
             }
@@ -130,7 +132,8 @@ class ShardSnapshots(NodeSnapshots):
         return self._write_one(self.store, host["own"], step)
 
     def _write_one(self, store: SnapshotStore, state: dict[str, Any], step: int) -> SnapshotSeal:
-        small = {"rng": {k: v.clone() for k, v in state["rng"].items()}}  # not the flat storage
+        rng = {k: v.clone() for k, v in state["rng"].items()}  # not the flat storage
+        small = {"rng": rng, "mesh": state.get("mesh")}
         return store.write(
             {**small, "model": state["model"], "optimizer": state["optimizer"]},
             step=step,
@@ -181,10 +184,10 @@ class ShardSnapshots(NodeSnapshots):
 
     def _load(self, choice: ShardChoice, here: dict[int, Held]) -> None:
         rank, comm = self.rank, self.comm
-        holder = choice.holders[rank]
+        holder, place = choice.holders[rank], mesh_of(self.guard.layout, rank)
 
         def load(state: dict[str, Any]) -> None:
-            apply_shards(self.guard.model, self.guard.optimizer, state)
+            apply_shards(self.guard.model, self.guard.optimizer, state, place)
             rng = state.get("rng") or {}
             if "cpu" in rng:
                 torch.set_rng_state(rng["cpu"])

@@ -21,8 +21,9 @@ from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.errors import RankFailed
 from slurm_guard.comm.topology import Topology
 from slurm_guard.config import GuardConfig
+from slurm_guard.core.snapshot_proof import STARTED_FROM
 from slurm_guard.faults.injection import FaultInjector
-from slurm_guard.fingerprint.tree import as_int, lanes_to_int
+from slurm_guard.fingerprint.tree import as_hex, as_int, lanes_to_int
 from slurm_guard.protocol import Check, Verdict
 from slurm_guard.sharded import verdict as v
 from slurm_guard.sharded.hooks import ReduceScatterState
@@ -104,11 +105,15 @@ class ShardedVerifier:
         captured: Captured,
         verify: bool,
         grads: list[torch.Tensor],
+        started_from: torch.Tensor | None = None,
     ) -> StepResult:
         """Every check of one step, after backward and before the update.
 
         `grads` are this rank's reduced gradient shards (after FSDP's reduce-scatter and, under
         HSDP, its all-reduce), checked for NaN/Inf before the update uses them.
+        `started_from`: this rank's shard fingerprint as the step began, where a snapshot of
+        that state follows a passing replay; rank 0's goes into the replay's ledger entry,
+        which is what proves the snapshot's step on a restart (`core.snapshot_proof`).
         """
         device = self.comm.device
         local_nonfinite = self.state.nonfinite(device)
@@ -173,7 +178,10 @@ class ShardedVerifier:
         if not all(r.matches for r in results) and settle is not None:
             second = v.replay_results(rows, self.round(step, captured, settle, "settling"))
         finding = v.judge_by_tp(results, second, self.topology, self.layout)
-        self.ledger(step, Check.REPLAY, finding is None, {"comparisons": len(results)})
+        detail: dict[str, object] = {"comparisons": len(results)}
+        if finding is None and started_from is not None and self.rank == 0:
+            detail[STARTED_FROM] = as_hex(started_from)  # the ledger is rank 0's to write
+        self.ledger(step, Check.REPLAY, finding is None, detail)
         if finding is not None:
             return StepResult(finding, True)
         return StepResult(None, False, verified=True)
