@@ -120,6 +120,11 @@ def test_the_start_line_names_the_layout_and_only_the_checks_it_runs() -> None:
         "every step, replay every 2 steps, shard vote between replica groups every 5 steps and "
         "before every save"
     )
+    unchecked = line(fsdp_tp, GuardConfig(replay_every=2, finite_check=False))
+    assert unchecked.startswith(
+        "4 ranks on 2 nodes (FSDP2 2 x TP 2); no finite or reduce-scatter conservation check "
+        "(finite_check=False), replay every 2 steps, no vote ("
+    ), unchecked
 
 
 # ------------------------------------------------------------------ 4 gloo ranks

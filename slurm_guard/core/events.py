@@ -50,7 +50,10 @@ def checks_line(
     else:
         replay = f"replay every {config.replay_every} steps"
     reduction = "reduce-scatter conservation" if sharded else "all-reduce"
-    parts = [f"finite + {reduction} checks every step"]
+    if config.finite_check:
+        parts = [f"finite + {reduction} checks every step"]
+    else:  # the switch turns off both, in either guard
+        parts = [f"no finite or {reduction} check (finite_check=False)"]
     if dp > 1:
         parts.append(replay)
     vote = "shard vote between replica groups" if sharded else "weight vote"
