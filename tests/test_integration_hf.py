@@ -94,10 +94,15 @@ def test_persistent_fault_caught_on_its_node_and_resume_skips_later_checkpoints(
     assert value["resumed_from"] == 3  # the newest checkpoint the replays vouch for
     # rank 0 says it once: the Trainer's checkpoint loaded, where the newer ones went
     aside = root / "fault-out" / "slurm-guard-quarantine" / alarm["alarm_id"]
-    (line,) = [x for x in capfd.readouterr().err.splitlines() if "slurm-guard: resumed" in x]
+    err = capfd.readouterr().err
+    (line,) = [x for x in err.splitlines() if "slurm-guard: resumed" in x]
     loaded = root / "fault-out" / "checkpoint-3"
     assert line.startswith(f"slurm-guard: resumed at step 3 from checkpoint {loaded}; "), line
     assert f"moved aside to {aside}/: " in line and "checkpoint-6" in line, line
+    # the run ended cleanly: rank 0 says once that the ride-along factor=1 fault did nothing
+    spec = "kind=grad-scale,node=node2,step=5,factor=1"
+    warning = f"slurm-guard: injected fault {spec} changed no value on node2 (step 5): factor=1"
+    assert err.count(warning) == 1, err
     left = [p for p in hf_workers.checkpoints(str(root / "fault-out")) if "quarantine" not in p]
     assert all(int(p.split("-")[1]) <= 8 for p in left)
     quarantined = (root / "fault-out" / "slurm-guard-quarantine" / alarm["alarm_id"]).iterdir()

@@ -96,10 +96,15 @@ def test_persistent_fault_caught_on_its_node_exits_86_and_resume_skips_later_che
     assert value["resumed_from"] == 3 and value["global_step"] == 9
     quarantined = tmp_path / "fault-out" / "slurm-guard-quarantine" / alarm["alarm_id"]
     # rank 0 says it once: the .ckpt loaded, where the newer ones went
-    (line,) = [x for x in capfd.readouterr().err.splitlines() if "slurm-guard: resumed" in x]
+    err = capfd.readouterr().err
+    (line,) = [x for x in err.splitlines() if "slurm-guard: resumed" in x]
     loaded = tmp_path / "fault-out" / "checkpoints" / "epoch=0-step=3.ckpt"
     assert line.startswith(f"slurm-guard: resumed at step 3 from checkpoint {loaded}; "), line
     assert f"moved aside to {quarantined}/: " in line and "last.ckpt" in line, line
+    # the run ended cleanly: rank 0 says once that the ride-along factor=1 fault did nothing
+    spec = "kind=grad-scale,node=node2,step=5,factor=1"
+    warning = f"slurm-guard: injected fault {spec} changed no value on node2 (step 5): factor=1"
+    assert err.count(warning) == 1, err
     assert {p.name for p in quarantined.glob("*.ckpt")} == {"epoch=1-step=6.ckpt", "last.ckpt"}
     # after the resume ModelCheckpoint saves again inside step 3 (after its first microbatch):
     # that .ckpt lacks the accumulated gradient, so it is left unsealed, never resumed from
