@@ -105,7 +105,11 @@ def _other_batch(step: int, rank: int) -> torch.Tensor:
 
 
 def train_resumed_other_data(run_dir: str, steps: int) -> dict[str, Any]:
-    return train(run_dir, steps, resume=True, init_seed=99, batch=_other_batch)
+    """With a fault that changes no value (factor=1) on rank 1 at step 3: the end says so."""
+    from slurm_guard import Fault
+
+    no_change = (Fault("grad-scale", rank=1, step=3, factor=1.0),)
+    return train(run_dir, steps, resume=True, init_seed=99, batch=_other_batch, faults=no_change)
 
 
 def train_fsdp_abft(run_dir: str, steps: int) -> dict[str, Any]:

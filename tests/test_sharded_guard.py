@@ -216,7 +216,8 @@ def test_resume_from_a_dcp_checkpoint_is_bit_identical(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """Also what rank 0 says (the ranks' stderr is this process's): the start line once, the
-    resume line once, and the data check: no warning for the same batches, one for others."""
+    resume line once, and the data check: no warning for the same batches, one for others
+    (that last run also injects a fault that changes no value, which its end must say)."""
     full = _ok(run_local(train_saving, 4, args=(str(tmp_path), 6, 3), nodes=NODES))
     out = capfd.readouterr().err
     start = "slurm-guard: guarding 4 ranks on 4 nodes (HSDP 2x2); finite + reduce-scatter "
@@ -237,6 +238,9 @@ def test_resume_from_a_dcp_checkpoint_is_bit_identical(
     _ok(run_local(train_resumed_other_data, 4, args=(str(tmp_path), 5), nodes=NODES))
     out = capfd.readouterr().err
     assert out.count("slurm-guard: the data differs at step 4 ") == 1, out
+    # and the fault effects at the run's end (end_run): a factor=1 fault changed no value
+    spec = "kind=grad-scale,rank=1,step=3,factor=1"
+    assert out.count(f"slurm-guard: injected fault {spec} changed no value on n1 (step 3)") == 1
 
 
 @pytest.mark.distributed
