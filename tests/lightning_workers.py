@@ -204,12 +204,19 @@ def faulty(root: str) -> dict[str, Any]:
     )
 
 
+NO_CHANGE_FAULT = sg.Fault(kind="grad-scale", node="node2", step=5, factor=1.0)
+"""Rides along in `resumed`: changes no value (training stays bit-identical), so the end of
+the run must say `changed no value` (the integration's end_run)."""
+
+
 def resumed(root: str) -> dict[str, Any]:
     """The requeued job (without the faulty node): resumes from what the guard trusts, with
     `trust_replays=1` the `.ckpt` of step 3 (the passing replay at 3 vouches for it; the
     default 2 would trust only a start from step 0, which would hide a resume that is not
     bit-identical)."""
-    config = sg.GuardConfig(replay_every=3, schedule="fixed", trust_replays=1)
+    config = sg.GuardConfig(
+        replay_every=3, schedule="fixed", trust_replays=1, faults=(NO_CHANGE_FAULT,)
+    )
     return train(f"{root}/fault-out", f"{root}/fault-run", 9, config, save_every=3)
 
 

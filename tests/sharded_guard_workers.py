@@ -77,6 +77,7 @@ def train(
         losses.append(guard.step(batch(step, rank)))
         if guard.step_count in save_at:
             guard.save_checkpoint()
+    guard.end_run()  # what exit_on_alarm does at a clean end: the batch check's last read
     snapshots = guard.snapshots
     if snapshots is not None:
         snapshots.copier.wait()  # the last snapshot is on the node before the test looks
@@ -96,6 +97,19 @@ def train_saving(run_dir: str, steps: int, save_at: int) -> dict[str, Any]:
 
 def train_resumed(run_dir: str, steps: int) -> dict[str, Any]:
     return train(run_dir, steps, resume=True, init_seed=99)
+
+
+def _other_batch(step: int, rank: int) -> torch.Tensor:
+    """Other data than `_batch` gives (an unseeded dataset would): the resume must warn."""
+    return _batch(step + 100, rank)
+
+
+def train_resumed_other_data(run_dir: str, steps: int) -> dict[str, Any]:
+    """With a fault that changes no value (factor=1) on rank 1 at step 3: the end says so."""
+    from slurm_guard import Fault
+
+    no_change = (Fault("grad-scale", rank=1, step=3, factor=1.0),)
+    return train(run_dir, steps, resume=True, init_seed=99, batch=_other_batch, faults=no_change)
 
 
 def train_fsdp_abft(run_dir: str, steps: int) -> dict[str, Any]:

@@ -21,92 +21,16 @@ from slurm_guard.local.launch import run_local
 NODES = ["n0", "n0", "n1", "n1"]  # each TP pair on one node, as torchtitan places them
 
 
-class _FfnBlock(torch.nn.Module):
-    """A Llama block without attention (tiny_llama's Attention reshapes to the full width, which
-    a TP shard does not have): RMSNorm and the SwiGLU MLP, residual."""
-
-    def __init__(self) -> None:
-        from slurm_guard.examples.tiny_llama import FeedForward, LlamaConfig
-
-        super().__init__()
-        self.ffn_norm = torch.nn.RMSNorm(64)
-        self.feed_forward = FeedForward(LlamaConfig())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = x + self.feed_forward(self.ffn_norm(x))
-        return out
-
-
-class _TpLm(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok_embeddings = torch.nn.Embedding(128, 64)
-        self.layers = torch.nn.ModuleList(_FfnBlock() for _ in range(2))
-        self.norm = torch.nn.RMSNorm(64)
-        self.output = torch.nn.Linear(64, 128, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x)
-        out: torch.Tensor = self.output(self.norm(x))
-        return out
-
-
-def _tp_llama(mesh: Any) -> torch.nn.Module:
-    """torchtitan's TP plan on mesh["tp"] (rowwise embedding, sequence-parallel norms, colwise
-    w1/w3 and head, rowwise w2), then fully_shard over "dp"."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-        parallelize_module,
-    )
-
-    model = _TpLm()
-    tp = mesh["tp"]
-    parallelize_module(
-        model,
-        tp,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    for block in model.layers:
-        parallelize_module(
-            block,
-            tp,
-            {
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
-    for block in model.layers:
-        fully_shard(block, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
-    return model
-
-
 def train_tp(run_dir: str, steps: int) -> dict[str, Any]:
     """dp=2 x tp=2 under ShardedGuard(abft=True); each TP pair trains on its DP index's batch."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from slurm_guard import GuardConfig, ShardedGuard
-    from slurm_guard.examples.tiny_llama import next_token_loss
+    from slurm_guard.examples.tiny_llama import TinyLlama, next_token_loss, shard_model_tp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    model = _tp_llama(mesh)
+    model = shard_model_tp(TinyLlama(), mesh)  # torchtitan's TP plan, then fully_shard on dp
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     guard = ShardedGuard(
         model,
@@ -125,13 +49,19 @@ def train_tp(run_dir: str, steps: int) -> dict[str, Any]:
 
 @pytest.mark.distributed
 def test_fsdp2_tp_abft_clean_run_passes_and_a_gemm_fault_on_rank_3_is_sdc_on_rank_3(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     clean = run_local(train_tp, 4, args=(str(tmp_path / "clean"), 3), nodes=NODES)
     assert [o.status for o in clean] == ["ok"] * 4, [o.value for o in clean]
     assert not list((tmp_path / "clean" / "alarms").glob("*.json"))
+    # rank 0's start line names the layout, and promises no vote: no shard has a second copy
+    out = capfd.readouterr().err
+    start = "slurm-guard: guarding 4 ranks on 2 nodes (FSDP2 2 x TP 2); finite + reduce-scatter "
+    assert out.count(start) == 1, out
+    assert "replay every 2 steps, no vote (" in out and "checked GEMMs every step" in out, out
 
-    inject = {"SLURM_GUARD_INJECT": "kind=gemm,rank=3,step=1,layer=1,pass=grad_w"}
+    # checked GEMM 5 is layers.0.feed_forward.w2 (wq wk wv wo w1 w2 ...), a rowwise TP shard
+    inject = {"SLURM_GUARD_INJECT": "kind=gemm,rank=3,step=1,layer=5,pass=grad_w"}
     outcomes = run_local(
         train_tp, 4, args=(str(tmp_path / "fault"), 3), nodes=NODES, extra_env=inject
     )

@@ -51,3 +51,30 @@ def test_a_rank_0_only_save_shows_the_named_error_alone(tmp_path: Path) -> None:
     assert "Unable to cast" not in out and "Traceback" not in out, out
     assert out.count("CollectiveMismatch") == 1, out
     assert "never e.g. `if rank == 0: guard.save_checkpoint()`" in out
+
+
+def test_the_resume_line_names_where_each_checkpoint_was_moved(tmp_path: Path) -> None:
+    """The run directory's checkpoints go to quarantine/<alarm>/ (recorded by name), a
+    framework's to <output dir>/slurm-guard-quarantine/<alarm>/ (recorded by path): the line
+    must name the folder each went to, and the checkpoint the framework loaded."""
+    from slurm_guard.core.checkpoints import resume_line
+    from slurm_guard.rundir.layout import RunDir
+    from slurm_guard.rundir.recovery import ResumePoint
+    from slurm_guard.rundir.restore import Resumed
+
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.handled_dir.mkdir(parents=True)
+    aside = tmp_path / "out" / "slurm-guard-quarantine" / "a1"
+    moved = ["step-00000006", str(aside / "checkpoint-4"), str(aside / "checkpoint-5")]
+    run_dir.mark_handled("a1", {"alarm_id": "a1", "quarantined": moved})
+    point = ResumePoint(3, 3, ["a1"], [3])
+    loaded = str(tmp_path / "out" / "checkpoint-3")
+    line = resume_line(run_dir, Resumed(3, 3, [3], point, "checkpoint", loaded))
+    assert line == (
+        f"resumed at step 3 from checkpoint {loaded}; after alarm a1: moved aside to "
+        f"quarantine/a1/: step-00000006; moved aside to {aside}/: checkpoint-4, checkpoint-5 "
+        "(saved after the last step the alarm trusts)"
+    )
+    snapshot = resume_line(run_dir, Resumed(3, 3, [3], ResumePoint(3, 3), "snapshot", "/shm/x"))
+    assert snapshot == "resumed at step 3 from the node-local snapshot of step 3"
+    assert resume_line(run_dir, Resumed(-1, None, [], ResumePoint(-1, -1))) is None  # first start

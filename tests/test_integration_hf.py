@@ -61,6 +61,9 @@ def test_clean_run_with_accumulation_raises_no_alarm_and_matches_the_plain_train
     ledger = (clean["root"] / "clean-run" / "ledger.jsonl").read_text().splitlines()
     replays = [json.loads(x) for x in ledger if '"replay"' in x]
     assert [e["step"] for e in replays if e["passed"]] == [0, 3, 6]
+    # the data check: rank 0's batch fingerprints of the replayed steps, read at train()'s end
+    batches = (clean["root"] / "clean-run" / "batches.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in batches] == [0, 3, 6]
 
 
 def test_a_nan_sample_stops_as_numerical(clean: dict[str, Any]) -> None:
@@ -73,7 +76,7 @@ def test_a_nan_sample_stops_as_numerical(clean: dict[str, Any]) -> None:
 
 
 def test_persistent_fault_caught_on_its_node_and_resume_skips_later_checkpoints(
-    clean: dict[str, Any], tmp_path: Path
+    clean: dict[str, Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     import hf_workers
 
@@ -84,10 +87,22 @@ def test_persistent_fault_caught_on_its_node_and_resume_skips_later_checkpoints(
     assert alarm["verdict"] == "sdc" and alarm["suspect_nodes"] == ["node3"]
     written = hf_workers.checkpoints(str(root / "fault-out"))
     assert "checkpoint-5" in written  # saved after the onset, before the replay caught it
+    capfd.readouterr()
     outs = _run(hf_workers.resumed, root)
     assert all(o.status == "ok" for o in outs), [o.value for o in outs]
     value = outs[0].value
     assert value["resumed_from"] == 3  # the newest checkpoint the replays vouch for
+    # rank 0 says it once: the Trainer's checkpoint loaded, where the newer ones went
+    aside = root / "fault-out" / "slurm-guard-quarantine" / alarm["alarm_id"]
+    err = capfd.readouterr().err
+    (line,) = [x for x in err.splitlines() if "slurm-guard: resumed" in x]
+    loaded = root / "fault-out" / "checkpoint-3"
+    assert line.startswith(f"slurm-guard: resumed at step 3 from checkpoint {loaded}; "), line
+    assert f"moved aside to {aside}/: " in line and "checkpoint-6" in line, line
+    # the run ended cleanly: rank 0 says once that the ride-along factor=1 fault did nothing
+    spec = "kind=grad-scale,node=node2,step=5,factor=1"
+    warning = f"slurm-guard: injected fault {spec} changed no value on node2 (step 5): factor=1"
+    assert err.count(warning) == 1, err
     left = [p for p in hf_workers.checkpoints(str(root / "fault-out")) if "quarantine" not in p]
     assert all(int(p.split("-")[1]) <= 8 for p in left)
     quarantined = (root / "fault-out" / "slurm-guard-quarantine" / alarm["alarm_id"]).iterdir()

@@ -57,6 +57,10 @@ def test_clean_run_with_accumulation_and_clipping_raises_no_alarm(clean: dict[st
     assert ranks[0]["clean"]["lr"] == ranks[0]["plain"]["lr"]  # the scheduler stepped 9 times
     sealed = list((clean["root"] / "clean-out" / "checkpoints").glob("*.slurm-guard.json"))
     assert len(sealed) >= 3  # step 3, 6, 9 and last.ckpt
+    # the data check: rank 0's batch fingerprints of the replayed steps, read at saves and at
+    # the end of fit
+    batches = (clean["root"] / "clean-run" / "batches.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in batches] == [0, 3, 6]
     # a second ModelCheckpoint keeps only the newest .ckpt: the seals of the deleted ones go too
     top1 = clean["root"] / "clean-out" / "top1"
     assert {p.name for p in top1.iterdir()} == {
@@ -73,7 +77,7 @@ def test_a_nan_sample_stops_as_numerical(clean: dict[str, Any]) -> None:
 
 
 def test_persistent_fault_caught_on_its_node_exits_86_and_resume_skips_later_checkpoints(
-    clean: dict[str, Any], tmp_path: Path
+    clean: dict[str, Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     import lightning_workers
 
@@ -85,11 +89,22 @@ def test_persistent_fault_caught_on_its_node_exits_86_and_resume_skips_later_che
     assert alarm["verdict"] == "sdc" and alarm["suspect_nodes"] == ["node3"]
     written = lightning_workers.checkpoints(str(tmp_path / "fault-out"))
     assert "checkpoints/epoch=1-step=6.ckpt" in written  # after the onset, before the catch
+    capfd.readouterr()
     outs = _run(lightning_workers.resumed, tmp_path)
     assert all(o.status == "ok" for o in outs), [o.value for o in outs]
     value = outs[0].value
     assert value["resumed_from"] == 3 and value["global_step"] == 9
     quarantined = tmp_path / "fault-out" / "slurm-guard-quarantine" / alarm["alarm_id"]
+    # rank 0 says it once: the .ckpt loaded, where the newer ones went
+    err = capfd.readouterr().err
+    (line,) = [x for x in err.splitlines() if "slurm-guard: resumed" in x]
+    loaded = tmp_path / "fault-out" / "checkpoints" / "epoch=0-step=3.ckpt"
+    assert line.startswith(f"slurm-guard: resumed at step 3 from checkpoint {loaded}; "), line
+    assert f"moved aside to {quarantined}/: " in line and "last.ckpt" in line, line
+    # the run ended cleanly: rank 0 says once that the ride-along factor=1 fault did nothing
+    spec = "kind=grad-scale,node=node2,step=5,factor=1"
+    warning = f"slurm-guard: injected fault {spec} changed no value on node2 (step 5): factor=1"
+    assert err.count(warning) == 1, err
     assert {p.name for p in quarantined.glob("*.ckpt")} == {"epoch=1-step=6.ckpt", "last.ckpt"}
     # after the resume ModelCheckpoint saves again inside step 3 (after its first microbatch):
     # that .ckpt lacks the accumulated gradient, so it is left unsealed, never resumed from

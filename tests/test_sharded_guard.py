@@ -17,6 +17,7 @@ from sharded_guard_workers import (
     train_fsdp_abft_resumed,
     train_fsdp_abft_saving,
     train_resumed,
+    train_resumed_other_data,
     train_saving,
     train_three_groups,
 )
@@ -87,6 +88,43 @@ def test_shard_vote_names_the_odd_replica_or_is_ambiguous_with_two() -> None:
     assert finding is not None and finding.verdict == Verdict.AMBIGUOUS
     assert finding.suspect_ranks == (1, 3)
     assert judge_shard_vote([7, 8, 7, 8], two) is None
+
+
+def test_the_start_line_names_the_layout_and_only_the_checks_it_runs() -> None:
+    """FSDP2 + TP has no second copy of a shard: the line must not promise a vote (it did,
+    the DDP guard's "weight vote every 1 steps" for every layout), and it names the layout."""
+    from slurm_guard import GuardConfig
+    from slurm_guard.core.events import checks_line
+
+    def line(layout: Layout, config: GuardConfig) -> str:
+        world = layout.replicas * layout.shards * layout.tp
+        return checks_line(
+            config,
+            world,
+            2,
+            layout=layout.describe(),
+            dp_indices=layout.dp_indices,
+            replicas=layout.replicas,
+        )
+
+    config = GuardConfig(replay_every=2, vote_every=5, abft=True, snapshots=True)
+    fsdp_tp = Layout((((0, 1), (2, 3)),))  # dp=2 x tp=2
+    assert line(fsdp_tp, config) == (
+        "4 ranks on 2 nodes (FSDP2 2 x TP 2); finite + reduce-scatter conservation checks every "
+        "step, replay every 2 steps, no vote (no replica group holds a second copy of a shard), "
+        "checked GEMMs every step, node-local snapshots at each passing replay"
+    )
+    hsdp_tp = Layout((((0, 1), (2, 3)), ((4, 5), (6, 7))))
+    assert line(hsdp_tp, GuardConfig(replay_every=2, vote_every=5)) == (
+        "8 ranks on 2 nodes (HSDP 2x2 x TP 2); finite + reduce-scatter conservation checks "
+        "every step, replay every 2 steps, shard vote between replica groups every 5 steps and "
+        "before every save"
+    )
+    unchecked = line(fsdp_tp, GuardConfig(replay_every=2, finite_check=False))
+    assert unchecked.startswith(
+        "4 ranks on 2 nodes (FSDP2 2 x TP 2); no finite or reduce-scatter conservation check "
+        "(finite_check=False), replay every 2 steps, no vote ("
+    ), unchecked
 
 
 # ------------------------------------------------------------------ 4 gloo ranks
@@ -174,8 +212,17 @@ def test_weight_bit_flip_is_caught_by_the_shard_vote(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_resume_from_a_dcp_checkpoint_is_bit_identical(tmp_path: Path) -> None:
+def test_resume_from_a_dcp_checkpoint_is_bit_identical(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Also what rank 0 says (the ranks' stderr is this process's): the start line once, the
+    resume line once, and the data check: no warning for the same batches, one for others
+    (that last run also injects a fault that changes no value, which its end must say)."""
     full = _ok(run_local(train_saving, 4, args=(str(tmp_path), 6, 3), nodes=NODES))
+    out = capfd.readouterr().err
+    start = "slurm-guard: guarding 4 ranks on 4 nodes (HSDP 2x2); finite + reduce-scatter "
+    assert out.count(start) == 1, out
+    assert "shard vote between replica groups every 1 steps" in out, out
     step = tmp_path / "checkpoints" / "step-00000003"
     meta = json.loads((step / "meta.json").read_text())
     assert {".metadata", "__0_0.distcp", "__3_0.distcp"} <= set(meta["files"])
@@ -185,6 +232,15 @@ def test_resume_from_a_dcp_checkpoint_is_bit_identical(tmp_path: Path) -> None:
         assert b["start"] == 3
         assert b["losses"] == a["losses"][3:]  # bit for bit: Python floats compared exactly
         assert b["digest"] == a["digest"]
+    out = capfd.readouterr().err
+    assert out.count(f"slurm-guard: resumed at step 3 from checkpoint {step}\n") == 1, out
+    assert "data differs" not in out, out  # step 4's batch, recorded by the first run, is the same
+    _ok(run_local(train_resumed_other_data, 4, args=(str(tmp_path), 5), nodes=NODES))
+    out = capfd.readouterr().err
+    assert out.count("slurm-guard: the data differs at step 4 ") == 1, out
+    # and the fault effects at the run's end (end_run): a factor=1 fault changed no value
+    spec = "kind=grad-scale,rank=1,step=3,factor=1"
+    assert out.count(f"slurm-guard: injected fault {spec} changed no value on n1 (step 3)") == 1
 
 
 @pytest.mark.distributed

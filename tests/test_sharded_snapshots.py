@@ -102,11 +102,12 @@ def test_a_damaged_shard_snapshot_is_skipped_for_the_older_one(
 
 
 def test_pure_fsdp2_with_abft_resumes_from_a_trusted_snapshot_after_an_alarm(
-    tmp_path: Path,
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
     """No replica and no checkpoint: a persistent GEMM fault on rank 1 from step 5 alarms at
     step 5; the snapshot of the last trust point (the state step 4 started from) is taken by
-    every rank, and with node n1 replaced (its memory gone) rank 1's shards come from n2."""
+    every rank, and with node n1 replaced (its memory gone) rank 1's shards come from n2.
+    Rank 0 says so in one line (the ranks' stderr is this process's)."""
     inject = {"SLURM_GUARD_INJECT": "kind=gemm,rank=1,step=5,layer=3,pass=grad_w,persistent=1"}
     (tmp_path / "clean").mkdir()
     clean = _values(
@@ -132,6 +133,9 @@ def test_pure_fsdp2_with_abft_resumes_from_a_trusted_snapshot_after_an_alarm(
     assert (alarms[0]["step"], alarms[0]["last_verified_step"]) == (5, 4)
     assert _steps_held(shm, "n2", 1) == [2, 4]  # rank 1's copy on its peer node
     shutil.rmtree(shm / "n1")
+    (start,) = [x for x in capfd.readouterr().err.splitlines() if x.endswith(f"run dir {run_dir}")]
+    assert start.startswith("slurm-guard: guarding 4 ranks on 4 nodes (FSDP2 4); "), start
+    assert "no vote (" in start and "node-local snapshots at each passing replay" in start, start
 
     resumed = _values(
         run_local(
@@ -142,5 +146,11 @@ def test_pure_fsdp2_with_abft_resumes_from_a_trusted_snapshot_after_an_alarm(
         )
     )
     assert [v["start"] for v in resumed] == [4] * 4  # not step 0: one step lost
+    (line,) = [x for x in capfd.readouterr().err.splitlines() if "slurm-guard: resumed" in x]
+    assert line == (
+        "slurm-guard: resumed at step 4 from the node-local snapshot of step 4; after alarm "
+        f"{alarms[0]['alarm_id']}: no checkpoint saved after the last step the alarm trusts, "
+        "nothing moved aside"
+    )
     assert [v["restored_from_peers"] for v in resumed] == [[], [2], [], []]
     assert [v["digest"] for v in resumed] == [v["digest"] for v in clean]

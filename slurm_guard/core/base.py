@@ -16,7 +16,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Collection, Mapping
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -285,6 +285,18 @@ class GuardBase:
             logger.warning("could not record the injected faults' effects: %s", exc)
         return fault_effects.warnings_of(rec)
 
+    def note_batch(self, step: int, batch: Any) -> None:
+        """On a verification step: rank 0 fingerprints the batch (on the device; read later)."""
+        if self.batches is not None:
+            self.batches.note(step, batch)
+
+    def after_save(self) -> None:
+        """After every checkpoint a guard seals (its own, DCP's, a framework's; all ranks):
+        the faults' effects so far, for status while the run goes on, and the batch
+        fingerprints, so a resume from this checkpoint can tell whether it sees the same data."""
+        self.record_fault_effects(final=False)
+        self.read_batches()
+
     def read_batches(self) -> None:
         """Rank 0 records the pending batch fingerprints; warns if a resume sees other data."""
         if self.batches is not None:
@@ -329,8 +341,11 @@ class GuardBase:
                 unwritten = f"cannot write {self.run_dir.run_file} ({type(exc).__name__}: {exc})"
         self.comm.share_problem(unwritten, "run.json")
         if self.rank == 0:
-            checks = events.checks_line(self.config, self.world_size, len(self.topology.nodes))
-            events.announce(f"guarding {checks}; run dir {self.run_dir.root}")
+            events.announce(f"guarding {self._checks_line()}; run dir {self.run_dir.root}")
+
+    def _checks_line(self) -> str:
+        """The start line's checks (DDP: every rank a replica; ShardedGuard names its layout)."""
+        return events.checks_line(self.config, self.world_size, len(self.topology.nodes))
 
     def _ledger(self, step: int, check: Check, passed: bool, detail: dict[str, object]) -> None:
         if self.rank != 0:

@@ -17,13 +17,19 @@ from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint import as_hex
 from slurm_guard.rundir import checkpoint as ckpt
 from slurm_guard.rundir.identity import check_unchanged
-from slurm_guard.rundir.restore import load_checkpoint, record_rollback, resume_collectively
+from slurm_guard.rundir.restore import (
+    Resumed,
+    load_checkpoint,
+    record_rollback,
+    resume_collectively,
+)
+from slurm_guard.rundir.resumes import SNAPSHOT, ResumeNote
 from slurm_guard.rundir.trust import CheckpointMeta
 
 if TYPE_CHECKING:
     from slurm_guard.comm.collective import Collective
     from slurm_guard.core.session import GuardCore
-    from slurm_guard.rundir.recovery import ResumePoint
+    from slurm_guard.rundir.layout import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +111,7 @@ def save_checkpoint(core: GuardCore) -> Path:
             problem = f"checkpoint at step {step} could not be published ({exc})"
             ckpt.discard(stage)
     comm.share_problem(problem, "checkpoint publish")
-    core.record_fault_effects(final=False)  # so status knows them while the run goes on
-    core.read_batches()
+    core.after_save()
     return path
 
 
@@ -216,45 +221,75 @@ def resume(core: GuardCore) -> int:
         core.step_count = resumed.step
         core.last_verified_step = resumed.last_verified_step
         core.voted_at = resumed.step
-    core.resume_note = record_rollback(
-        core.comm,
-        core.run_dir,
-        resumed.point,
-        core.restart_count,
-        core.attempt,
-        resumed,
-        core.job_id or "",
-    )
-    line = resume_line(core, resumed.step, resumed.point) if core.rank == 0 else None
-    if line is not None:
-        events.announce(line)
+    record_resume(core, resumed)
     return core.step_count
 
 
-def resume_line(core: GuardCore, step: int, point: ResumePoint | None) -> str | None:
+class Resuming(Protocol):
+    """What every entry point that resumes offers the record of its resume: the DDP guard,
+    ShardedGuard (`sharded.checkpoint.GuardState`), a framework integration's core."""
+
+    comm: Collective
+    run_dir: RunDir
+    rank: int
+    job_id: str | None
+    restart_count: int
+    attempt: str
+    resume_note: ResumeNote | None
+
+
+def record_resume(guard: Resuming, resumed: Resumed) -> None:
+    """After every rank loaded what `resumed` names: rank 0 quarantines and marks the alarms
+    handled (`record_rollback`; a failure stops every rank), then says in one line where the
+    run resumed from and what was moved aside (all must call)."""
+    guard.resume_note = record_rollback(
+        guard.comm,
+        guard.run_dir,
+        resumed.point,
+        guard.restart_count,
+        guard.attempt,
+        resumed,
+        guard.job_id or "",
+    )
+    line = resume_line(guard.run_dir, resumed) if guard.rank == 0 else None
+    if line is not None:
+        events.announce(line)
+
+
+def resume_line(run_dir: RunDir, resumed: Resumed) -> str | None:
     """Where the run resumed from and what was moved aside, and why, in one line (None: a
-    first start, which the start line already says)."""
-    snapshot = getattr(core.snapshots, "resumed_from", None)
+    first start, which the start line already says). Rank 0's: only it holds the plan."""
+    step, point = resumed.step, resumed.point
     alarms = point.pending_alarms if point is not None else []
     if step < 0 and not alarms and not (point is not None and point.fresh):
         return None
     if step < 0:
         where = "starting at step 0 (no checkpoint to resume from)"
-    elif snapshot == step:
+    elif resumed.source == SNAPSHOT:
         where = f"resumed at step {step} from the node-local snapshot of step {step}"
     else:
-        where = f"resumed at step {step} from checkpoint {core.run_dir.checkpoint_path(step)}"
+        where = f"resumed at step {step} from checkpoint {resumed.path}"
     if point is not None and point.fresh:
         where += " (SLURM_GUARD_RESUME=fresh)"
     moved = {
         str(r.get("alarm_id")): r.get("quarantined") or []
-        for r in core.run_dir.resumes()
+        for r in run_dir.resumes()
         if r.get("alarm_id") in alarms
     }
     for alarm_id in alarms:
-        names = ", ".join(Path(str(m)).name for m in moved.get(alarm_id, [])) or "nothing"
-        where += (
-            f"; after alarm {alarm_id}: moved aside to quarantine/{alarm_id}/: {names} "
-            "(saved after the last step the alarm trusts)"
-        )
+        where += f"; after alarm {alarm_id}: {_moved_aside(moved.get(alarm_id, []), alarm_id)}"
     return where
+
+
+def _moved_aside(moved: list[str], alarm_id: str) -> str:
+    """The run directory's checkpoints are recorded by name (they go to quarantine/<alarm>/),
+    a framework's by their new path (`<output dir>/slurm-guard-quarantine/<alarm>/...`)."""
+    if not moved:
+        return "no checkpoint saved after the last step the alarm trusts, nothing moved aside"
+    folders: dict[str, list[str]] = {}
+    for item in moved:
+        path = Path(item)
+        folder = f"{path.parent}/" if path.is_absolute() else f"quarantine/{alarm_id}/"
+        folders.setdefault(folder, []).append(path.name)
+    aside = [f"moved aside to {folder}: {', '.join(names)}" for folder, names in folders.items()]
+    return "; ".join(aside) + " (saved after the last step the alarm trusts)"

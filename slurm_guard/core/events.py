@@ -25,17 +25,46 @@ def announce(message: str) -> None:
         logger.info("%s", message)
 
 
-def checks_line(config: GuardConfig, world_size: int, nodes: int) -> str:
-    """The checks and their cadence in one clause."""
+def checks_line(
+    config: GuardConfig,
+    world_size: int,
+    nodes: int,
+    *,
+    layout: str = "",
+    dp_indices: int | None = None,
+    replicas: int | None = None,
+) -> str:
+    """The checks and their cadence in one clause.
+
+    Without `layout`, the DDP guard's: every rank holds a replica, so with two or more ranks
+    every check runs. A sharded layout (`layout` names it: "FSDP2 2 x TP 2") runs what it
+    allows, and the line must not promise more: a replay needs 2 or more data-parallel indices
+    (`dp_indices`), a vote a copy of each shard in another replica group (`replicas` >= 2),
+    and the per-step reduction check is the reduce-scatter's conservation.
+    """
+    sharded = bool(layout)
+    dp = world_size if dp_indices is None else dp_indices
+    copies = world_size if replicas is None else replicas
     if config.schedule == "random":
         replay = f"replay on 1 step in {config.replay_every} (random)"
     else:
         replay = f"replay every {config.replay_every} steps"
-    parts = ["finite + all-reduce checks every step"]
-    if world_size > 1:
-        parts += [replay, f"weight vote every {config.vote_every} steps and before every save"]
+    reduction = "reduce-scatter conservation" if sharded else "all-reduce"
+    if config.finite_check:
+        parts = [f"finite + {reduction} checks every step"]
+    else:  # the switch turns off both, in either guard
+        parts = [f"no finite or {reduction} check (finite_check=False)"]
+    if dp > 1:
+        parts.append(replay)
+    vote = "shard vote between replica groups" if sharded else "weight vote"
+    if copies > 1:
+        parts.append(f"{vote} every {config.vote_every} steps and before every save")
+    elif sharded:
+        parts.append("no vote (no replica group holds a second copy of a shard)")
     if config.abft:
         parts.append("checked GEMMs every step")
     if config.snapshots:
-        parts.append("node-local snapshots at each passing vote")
-    return f"{world_size} ranks on {nodes} nodes; " + ", ".join(parts)
+        after = "vote" if copies > 1 or not sharded else "replay"
+        parts.append(f"node-local snapshots at each passing {after}")
+    where = f"{world_size} ranks on {nodes} nodes" + (f" ({layout})" if sharded else "")
+    return f"{where}; " + ", ".join(parts)

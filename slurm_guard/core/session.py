@@ -231,8 +231,8 @@ class GuardCore(GuardBase, StepCalls):
         self.injector.step = step
         verify = self.config.is_replay_step(step, self.fingerprinter.seed) and self.world_size > 1
         captured = capture(batch)
-        if verify and self.batches is not None:
-            self.batches.note(step, batch)  # on the device; read at the next save
+        if verify:
+            self.note_batch(step, batch)
         self.replicated.snapshot_due = True
         self.optimizer.zero_grad(set_to_none=True)
         exact = self.config.deterministic

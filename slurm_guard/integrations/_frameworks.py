@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from slurm_guard.comm.collective import Collective
 from slurm_guard.comm.topology import local_rank_info
 from slurm_guard.config import GuardConfig
+from slurm_guard.core.checkpoints import record_resume
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint import as_hex
 from slurm_guard.guard import exit_on_alarm
@@ -49,7 +50,7 @@ from slurm_guard.rundir.checkpoint import sha256_file
 from slurm_guard.rundir.layout import RunDir
 from slurm_guard.rundir.records import RecordError, atomic_write_json
 from slurm_guard.rundir.recovery import ResumePoint
-from slurm_guard.rundir.restore import Resumed, record_rollback
+from slurm_guard.rundir.restore import Resumed
 from slurm_guard.rundir.resumes import CHECKPOINT, NOTHING
 from slurm_guard.rundir.seals import Seal, read_seal, record_location
 
@@ -151,6 +152,7 @@ def save_sealed(
     vote_before_save(core)
     save()
     seal_checkpoint(core, checkpoint, seal_path, framework)
+    core.after_save()
 
 
 FRAMEWORK_NAMES = {"hf": "the Trainer", "lightning": "Lightning"}
@@ -301,12 +303,4 @@ def finish_resume(core: GuardCore, chosen: Chosen) -> None:
         CHECKPOINT if loaded else NOTHING,
         str(chosen.path) if loaded else None,
     )
-    core.resume_note = record_rollback(
-        core.comm,
-        core.run_dir,
-        chosen.point,
-        core.restart_count,
-        core.attempt,
-        resumed,
-        core.job_id or "",
-    )
+    record_resume(core, resumed)  # and rank 0's resume line, as Guard.resume says it

@@ -142,7 +142,10 @@ class GuardedTrainer(_Trainer):  # type: ignore[misc]
                 requested,
             )
             path = self._guard_chosen.path
-            return super().train(str(path) if path is not None else None, *args, **kwargs)
+            output = super().train(str(path) if path is not None else None, *args, **kwargs)
+            if self.guard is not None:  # every rank: the batch check's and the faults' last word
+                self.guard.end_run()
+            return output
 
     @staticmethod
     def _list_checkpoints(root: Path) -> list[Listed]:

@@ -19,10 +19,10 @@ A callback is enough, though with automatic optimization the forward and backwar
 
 Checkpoints: `trainer.save_checkpoint` (ModelCheckpoint and OnExceptionCheckpoint call it) votes
 first and seals the `.ckpt` after (`_frameworks`); top-k never deletes one the trust rule
-needs (`remove`). Lightning picks the checkpoint to resume from
-before any callback runs, so the callback replaces the path it is handed at the one moment it
-loads (`_CheckpointConnector._restore_modules_and_callbacks`, private, Lightning 2.5-2.6): the
-newest sealed checkpoint the trust rule allows, every newer `.ckpt` moved to quarantine.
+needs (`remove`). Lightning picks the checkpoint to resume from before any callback runs, so
+the callback replaces the path it is handed at the one moment it loads (`_CheckpointConnector.
+_restore_modules_and_callbacks`, private, Lightning 2.5-2.6): the newest sealed checkpoint the
+trust rule allows, every newer `.ckpt` moved to quarantine, and rank 0 says so in one line.
 
 Why reseed: a Lightning `.ckpt` holds no RNG state, and Lightning draws from the global RNG when
 it makes the DataLoader iterators, so without it a resumed run's dropout differs from the
@@ -355,6 +355,10 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
     ) -> None:
         self._after_update()  # a precision plugin that did not call optimizer.step
 
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """A clean end of fit, every rank: `exit_on_alarm`'s end (batch check, faults' effects)."""
+        self._require().end_run()
+
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
         """An alarm ends the process with exit code 86 when `exit_on_alarm` is on."""
         if self.exit_on_alarm and isinstance(exception, SilentDataCorruption):
@@ -382,14 +386,9 @@ class GuardCallback(_pl.Callback):  # type: ignore[misc]
         """
         path = Path(filepath)
         guard = self.guard
-        if (
-            guard is None
-            or guard.step_count == 0
-            or weights_only
-            or path.name.startswith("hpc_ckpt_")
-            or self._captured
-            or self._pending
-        ):
+        inside_step = bool(self._captured or self._pending)
+        unsealed = weights_only or path.name.startswith("hpc_ckpt_") or inside_step
+        if guard is None or guard.step_count == 0 or unsealed:
             save(filepath, weights_only, storage_options)
             return
         steps = self._trainer.global_step

@@ -25,12 +25,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from slurm_guard.core.checkpoints import begin_save
+from slurm_guard.core.checkpoints import begin_save, record_resume
 from slurm_guard.errors import GuardError
 from slurm_guard.fingerprint.tree import as_hex, lanes_to_int
 from slurm_guard.rundir import checkpoint as ckpt
 from slurm_guard.rundir.records import read_json_file
-from slurm_guard.rundir.restore import SnapshotSource, record_rollback, resume_collectively
+from slurm_guard.rundir.restore import SnapshotSource, resume_collectively
 from slurm_guard.rundir.resumes import ResumeNote
 from slurm_guard.rundir.trust import CheckpointMeta, parse_checkpoint_meta
 
@@ -275,13 +275,5 @@ def resume(guard: GuardState) -> int:
         guard.last_verified_step = resumed.last_verified_step
         guard.voted_at = resumed.step
         guard.rng_after_step = ckpt.rng_state()
-    guard.resume_note = record_rollback(
-        comm,
-        guard.run_dir,
-        resumed.point,
-        guard.restart_count,
-        guard.attempt,
-        resumed,
-        guard.job_id or "",
-    )
+    record_resume(guard, resumed)  # and rank 0's resume line, as the DDP guard's
     return guard.step_count

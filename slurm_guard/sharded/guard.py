@@ -22,7 +22,7 @@ from slurm_guard.checks.replay import LossFn, Microbatches, capture
 from slurm_guard.checks.rows import StepResult
 from slurm_guard.checks.verdicts import bits_to_float
 from slurm_guard.config import GuardConfig
-from slurm_guard.core import decide
+from slurm_guard.core import decide, events
 from slurm_guard.core.base import GuardBase, check_arguments
 from slurm_guard.core.calls import StepCalls, StepPlan
 from slurm_guard.core.snapshot_proof import STARTED_FROM
@@ -140,6 +140,18 @@ class ShardedGuard(GuardBase, StepCalls):
         self.snapshots = snapshots.attach(self) if self.config.snapshots else None
         self._record_start()
 
+    def _checks_line(self) -> str:
+        """The start line names the layout and only the checks it allows (the vote needs
+        replica groups, a replay two data-parallel indices)."""
+        return events.checks_line(
+            self.config,
+            self.world_size,
+            len(self.topology.nodes),
+            layout=self.layout.describe(),
+            dp_indices=self.layout.dp_indices,
+            replicas=self.layout.replicas,
+        )
+
     @staticmethod
     def _supported(faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
         supported = (*HOOK_KINDS, *BACKWARD_KINDS, "weight-bitflip", "allreduce")
@@ -208,6 +220,8 @@ class ShardedGuard(GuardBase, StepCalls):
         snap = self.snapshots is not None and self._snap_at_checks and verify_due
         self._rng_at_begin = rng_state() if snap else None
         captured = capture(batch)
+        if verify:
+            self.note_batch(step, batch)
         self.optimizer.zero_grad(set_to_none=True)
         self.rs_state.reset(fingerprint=verify)
         return StepPlan(step, verify, captured)
@@ -313,7 +327,9 @@ class ShardedGuard(GuardBase, StepCalls):
         """Shard vote, then a sealed DCP save into run_dir/checkpoints/step-N (all ranks)."""
         if if_ is not None and not self.agree_on(bool(if_), src=0):
             return None
-        return checkpoint.save_checkpoint(self)
+        path = checkpoint.save_checkpoint(self)
+        self.after_save()
+        return path
 
     def resume(self) -> int:
         """Load the trusted DCP checkpoint (the DDP guard's rule); the step to start from."""
