@@ -111,9 +111,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     their own stream (`-m slurm`) and every other test beside them (`-m "not slurm"`), so an
     unmarked one would start a second cluster there, or be counted as no Slurm test."""
     for item in items:
-        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
-            if item.get_closest_marker("slurm") is None:
-                item.add_marker(pytest.mark.slurm)
+        uses_cluster = CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if uses_cluster and item.get_closest_marker("slurm") is None:
+            item.add_marker(pytest.mark.slurm)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
