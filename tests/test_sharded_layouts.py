@@ -208,6 +208,9 @@ def test_fsdp_tp_2x2_a_rank_fault_convicts_nobody_and_resumes_from_a_replayed_sn
     assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "ambiguous", 4)
     assert 3 in alarm["suspect_ranks"] and set(alarm["suspect_ranks"]) <= {1, 3}
     assert alarm["last_verified_step"] == 2
+    run_file = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert run_file["layout"]["describe"] == "FSDP2 2 x TP 2"
+    assert run_file["replayer"] == [2, 3, 0, 1]  # the other index, at the same TP index
     elsewhere = ["node1", "node1", "node3", "node3"]
     again = functools.partial(snapshots, resume=True, compare=True)
     resumed = _values(run_local(again, 4, args=(run, 5), nodes=elsewhere))
@@ -232,6 +235,10 @@ def test_plain_fsdp2_replays_and_names_the_node_of_a_gradient_fault(tmp_path: Pa
     alarm = _alarm(outcomes)
     assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("replay", "sdc", 2)
     assert alarm["suspect_nodes"] == ["node2"] and alarm["suspect_ranks"] == [1]
+    # run.json records the mesh and the replays' own pairs (not the DDP ring's)
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["layout"] == {"describe": "FSDP2 4", "coordinates": [[0, r, 0] for r in range(4)]}
+    assert run["replayer"] == [3, 0, 1, 2]  # index d replayed by d - 1, each on another node
 
 
 # FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below; HSDP + TP's:

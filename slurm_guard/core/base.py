@@ -326,7 +326,12 @@ class GuardBase:
             faults=self.faults,
             abft_coverage=self.abft_coverage,
             started=self._started,
+            **self._run_file_layout(),
         )
+
+    def _run_file_layout(self) -> dict[str, Any]:
+        """run.json's `replayer` and `layout` where they are not the DDP ring's (ShardedGuard)."""
+        return {}
 
     def _record_start(self) -> None:
         """Rank 0 writes run.json; a failure stops every rank with the same error."""

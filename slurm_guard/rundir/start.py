@@ -127,8 +127,14 @@ def write_run_file(
     faults: tuple[Fault, ...],
     abft_coverage: dict[str, object] | None,
     started: float,
+    replayer: list[int] | None = None,
+    layout: dict[str, object] | None = None,
 ) -> None:
-    """Rank 0: run.json, what the controller and a later start read about this one."""
+    """Rank 0: run.json, what the controller and a later start read about this one.
+
+    `replayer` and `layout`: ShardedGuard's own (its replays pair data-parallel indices, not
+    the DDP ring of `topology`); a DDP run leaves them to the topology and records no layout.
+    """
     atomic_write_json(
         run_dir.run_file,
         {
@@ -141,7 +147,8 @@ def write_run_file(
             "restart_count": restart_count,
             "world_size": world_size,
             "ranks": [dataclasses.asdict(r) for r in topology.ranks],  # gpu: null on CPU
-            "replayer": list(topology.replayer),
+            "replayer": list(topology.replayer) if replayer is None else replayer,
+            "layout": layout,
             "config": config.summary(),
             # every fault this run injects, from GuardConfig.faults and SLURM_GUARD_INJECT
             "injected_faults": [f.describe() for f in faults],

@@ -152,6 +152,21 @@ class ShardedGuard(GuardBase, StepCalls):
             replicas=self.layout.replicas,
         )
 
+    def _run_file_layout(self) -> dict[str, Any]:
+        """The mesh and the first replay round's pairs (none below 2 data-parallel indices:
+        each rank then replays nobody, `replayer[r] == r`), as run.json records them."""
+        replayer = list(range(self.world_size))
+        if self.verifier.first_shift is not None:
+            for owner, rank in self.layout.pairs(self.verifier.first_shift):
+                replayer[owner] = rank
+        return {
+            "replayer": replayer,
+            "layout": {
+                "describe": self.layout.describe(),
+                "coordinates": self.layout.coordinates(),
+            },
+        }
+
     @staticmethod
     def _supported(faults: tuple[Fault, ...]) -> tuple[Fault, ...]:
         supported = (*HOOK_KINDS, *BACKWARD_KINDS, "weight-bitflip", "allreduce")
