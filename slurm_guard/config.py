@@ -106,6 +106,15 @@ class GuardConfig:
             It must be the user's own (made 0700 if missing, every directory above it checked;
             docs/admin-guide.md, "What slurm-guard keeps on a node"). `{uid}` in it becomes the
             user's id, `{node}` the node's name (for "nodes" that share one machine).
+        update_check: ShardedGuard without replica groups (FSDP2, FSDP2 + TP, two or more
+            data-parallel indices): on every vote step, a rank on another node recomputes each
+            rank's optimizer update of its shard from the same parameters, gradients (after
+            clipping), optimizer state and hyperparameters, and the shard fingerprints are
+            compared. No vote can catch a wrong update there: no other rank holds that shard.
+            Costs one copy of the shard's update inputs over the network and one optimizer
+            step per vote step (docs/integrations/fsdp.md). Optimizers it cannot recompute
+            (not torch.optim's own, step hooks, callables in param_groups) are skipped with a
+            warning. No effect under DDP or HSDP (their vote compares true copies).
     """
 
     replay_every: int = 10
@@ -130,6 +139,7 @@ class GuardConfig:
     max_grad_norm: float | None = None
     snapshots: bool = False
     snapshot_dir: str | None = None
+    update_check: bool = True
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -209,7 +219,14 @@ class GuardConfig:
         `deterministic="false"` would otherwise be truthy (exact comparison on GPU: false
         alarms, drains) and `trust_replays=1.5` would pass the range check.
         """
-        for name in ("finite_check", "settle_buckets", "deterministic", "abft", "snapshots"):
+        for name in (
+            "finite_check",
+            "settle_buckets",
+            "deterministic",
+            "abft",
+            "snapshots",
+            "update_check",
+        ):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ConfigError(
@@ -291,4 +308,5 @@ class GuardConfig:
             "max_grad_norm": self.max_grad_norm,
             "faults": [f.describe() for f in self.faults],
             "snapshots": self.snapshots,
+            "update_check": self.update_check,
         }

@@ -58,6 +58,7 @@ class Check(str, Enum):
     FINITE_REDUCED = "finite_reduced"
     REPLAY = "replay"
     VOTE = "vote"
+    UPDATE = "update"  # a shard's optimizer step recomputed on another node (FSDP2, no replica)
     CONSERVATION = "conservation"
     REDUCED_CONSISTENCY = "reduced_consistency"
     ABFT = "abft"

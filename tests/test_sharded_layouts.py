@@ -30,7 +30,7 @@ from slurm_guard.comm.topology import RankInfo, Topology
 from slurm_guard.errors import GuardError
 from slurm_guard.local.launch import RankOutcome, run_local
 from slurm_guard.protocol import Verdict
-from slurm_guard.rundir.records import RecordError
+from slurm_guard.rundir.records import RecordError, read_ledger
 from slurm_guard.rundir.trust import parse_checkpoint_meta
 from slurm_guard.sharded.checkpoint import other_mesh
 from slurm_guard.sharded.layout import Layout
@@ -241,12 +241,32 @@ def test_plain_fsdp2_replays_and_names_the_node_of_a_gradient_fault(tmp_path: Pa
     assert run["replayer"] == [3, 0, 1, 2]  # index d replayed by d - 1, each on another node
 
 
+@pytest.mark.distributed
+def test_plain_fsdp2_update_check_names_the_rank_whose_update_is_wrong(tmp_path: Path) -> None:
+    """No replica to vote with: a bit flipped in rank 1's shard after its update (step 1, a
+    vote step) is caught by the update check, rank 0 recomputing rank 1's update and rank 3
+    settling it."""
+    inject = {"SLURM_GUARD_INJECT": "kind=weight-bitflip,rank=1,step=1,bit=30"}
+    outcomes = run_local(FSDP4, 4, args=(str(tmp_path), 3), nodes=ONE_EACH, extra_env=inject)
+    alarm = _alarm(outcomes)
+    assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("update", "sdc", 1)
+    assert alarm["suspect_ranks"] == [1] and alarm["suspect_nodes"] == ["node2"]
+    assert alarm["injected"] is True and alarm["update_applied"] is True
+
+
 # FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below; HSDP + TP's:
 # test_hsdp_tp_resumes_on_another_node_set_from_a_checkpoint_then_a_snapshot.
+EVERY_STEP = {"vote_every": 1}  # the update check (FSDP2) or the shard vote (HSDP) each step
 LAYOUTS = {
-    "fsdp2": (4, functools.partial(train, shards=4, compare=True)),
+    "fsdp2": (4, functools.partial(train, shards=4, compare=True, config=EVERY_STEP)),
     "hsdp": (4, functools.partial(train, shards=2, replicas=2, compare=True)),
 }
+
+
+def _update_checks(run_dir: Path) -> list[tuple[int, bool]]:
+    """The update checks the ledger records: (step, passed)."""
+    entries = read_ledger(run_dir / "ledger.jsonl")
+    return [(e.step, e.passed) for e in entries if e.check == "update"]
 
 
 @pytest.mark.distributed
@@ -254,9 +274,12 @@ LAYOUTS = {
 def test_a_guarded_clean_run_is_bit_identical_to_the_unguarded_one(
     tmp_path: Path, name: str
 ) -> None:
+    """FSDP2 with the update check on every step (HSDP has a vote instead, no update check)."""
     world, worker = LAYOUTS[name]
     nodes = [f"node{r // 2 + 1}" for r in range(world)]
     _identical(_values(run_local(worker, world, args=(str(tmp_path), 3), nodes=nodes)))
+    checked = [(0, True), (1, True), (2, True)] if name == "fsdp2" else []
+    assert _update_checks(tmp_path) == checked
 
 
 HSDP_TP = functools.partial(train, shards=2, replicas=2, tp=2, config=TRUST_ONE, save_at=(2,))
@@ -336,7 +359,8 @@ def test_torchtitan_llama3_with_its_own_tp_and_fsdp_is_placed_and_bit_identical(
         if os.environ.get("SLURM_GUARD_REQUIRE_TORCHTITAN") == "1":
             raise
         pytest.skip(f"torchtitan 0.3.0 is not installed: {exc}")
-    titan = functools.partial(train, shards=2, tp=2, titan=True, compare=True)
+    titan = functools.partial(train, shards=2, tp=2, titan=True, compare=True, config=EVERY_STEP)
     values = _values(run_local(titan, 4, args=(str(tmp_path), 3), nodes=PAIRS[:4]))
     assert values[0]["layout"] == "FSDP2 2 x TP 2"
     _identical(values)
+    assert _update_checks(tmp_path) == [(0, True), (1, True), (2, True)]  # and changed nothing

@@ -33,6 +33,7 @@ def checks_line(
     layout: str = "",
     dp_indices: int | None = None,
     replicas: int | None = None,
+    update_check: bool = False,
 ) -> str:
     """The checks and their cadence in one clause.
 
@@ -40,7 +41,8 @@ def checks_line(
     every check runs. A sharded layout (`layout` names it: "FSDP2 2 x TP 2") runs what it
     allows, and the line must not promise more: a replay needs 2 or more data-parallel indices
     (`dp_indices`), a vote a copy of each shard in another replica group (`replicas` >= 2),
-    and the per-step reduction check is the reduce-scatter's conservation.
+    and the per-step reduction check is the reduce-scatter's conservation. `update_check`:
+    the update check runs there instead of a vote (`sharded.update_check`).
     """
     sharded = bool(layout)
     dp = world_size if dp_indices is None else dp_indices
@@ -61,6 +63,10 @@ def checks_line(
         parts.append(f"{vote} every {config.vote_every} steps and before every save")
     elif sharded:
         parts.append("no vote (no replica group holds a second copy of a shard)")
+        if update_check:
+            parts.append(
+                f"optimizer update recomputed on another node every {config.vote_every} steps"
+            )
     if config.abft:
         parts.append("checked GEMMs every step")
     if config.snapshots:

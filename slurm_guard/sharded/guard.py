@@ -42,6 +42,7 @@ from slurm_guard.rundir.trust import TRUST_POINT
 from slurm_guard.sharded import checkpoint, snapshots
 from slurm_guard.sharded.hooks import ReduceScatterState, fsdp_modules, install
 from slurm_guard.sharded.layout import derive, refuse_pipeline_stage
+from slurm_guard.sharded.update_check import UpdateCheck
 from slurm_guard.sharded.verifier import ShardedVerifier
 from slurm_guard.sharded.vote import local_state, shard
 
@@ -125,6 +126,17 @@ class ShardedGuard(GuardBase, StepCalls):
             ledger=self._ledger,
             abft=self.abft,
         )
+        self.update_check = UpdateCheck(
+            comm=self.comm,
+            topology=self.topology,
+            layout=self.layout,
+            shifts=(self.verifier.first_shift, self.verifier.settling_shift),
+            model=model,
+            optimizer=optimizer,
+            fingerprinter=self.fingerprinter,
+            ledger=self._ledger,
+            config=self.config,
+        )
         self.step_count = 0
         self.voted_at = -1
         self.rng_after_step: dict[str, torch.Tensor] | None = None
@@ -150,6 +162,7 @@ class ShardedGuard(GuardBase, StepCalls):
             layout=self.layout.describe(),
             dp_indices=self.layout.dp_indices,
             replicas=self.layout.replicas,
+            update_check=self.update_check.active,
         )
 
     def _run_file_layout(self) -> dict[str, Any]:
@@ -291,12 +304,15 @@ class ShardedGuard(GuardBase, StepCalls):
             self.last_grad_norm = norm.detach()
 
     def _optimizer_step(self) -> None:
+        # the inputs as the optimizer takes them: after clipping, before the step changes them
+        self.update_check.send(self.step_count)
         self.optimizer.step()
 
     def _updated(self, plan: StepPlan, result: StepResult) -> None:
         if not result.skip_update:
             self._flip_weights()
-            if self.layout.replicas > 1 and self.config.is_vote_step(plan.step):
+            due = self.layout.replicas > 1 or self.update_check.pending
+            if due and self.config.is_vote_step(plan.step):
                 self.vote(plan.step)
         self.step_count = plan.step + 1
         self._first_step_done()
@@ -314,8 +330,8 @@ class ShardedGuard(GuardBase, StepCalls):
         return local_state(self.model, self.optimizer)
 
     def vote(self, step: int) -> None:
-        """The shard vote on the state after `step`'s update (nothing to compare without
-        replica groups: FSDP2 alone keeps one copy of each shard)."""
+        """The shard vote on the state after `step`'s update; without replica groups (FSDP2
+        alone keeps one copy of each shard) the update check, where `step`'s inputs were sent."""
         if self.layout.replicas > 1:
             lanes = self.shard_fingerprint()
             finding = self.verifier.vote(step, lanes)
@@ -323,6 +339,10 @@ class ShardedGuard(GuardBase, StepCalls):
                 self.alarm(finding, step, update_applied=True)
             if self.snapshots is not None:
                 self._snapshot(step + 1, lanes)
+        elif self.update_check.pending:
+            finding = self.update_check.check(step, self.shard_fingerprint())
+            if finding is not None:
+                self.alarm(finding, step, update_applied=True)
         self.voted_at = step + 1
 
     def _snapshot(

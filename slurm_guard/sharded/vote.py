@@ -38,7 +38,13 @@ def shard(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out = [shard(p.detach()) for p in model.parameters()]
+    """This rank's parameter shards, then its optimizer-state shards (what is fingerprinted)."""
+    return [shard(p.detach()) for p in model.parameters()] + optimizer_tensors(optimizer)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state shards in state_dict order (the update check's shadow's too)."""
+    out: list[torch.Tensor] = []
     state: dict[Any, Any] = optimizer.state_dict()["state"]
     for key in sorted(state):
         for name in sorted(state[key]):
