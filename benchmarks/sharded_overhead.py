@@ -13,7 +13,12 @@ of the same round, which is steadier under drifting load.
     python benchmarks/sharded_overhead.py                # HSDP 2 x 2, 5 rounds
     python benchmarks/sharded_overhead.py --fsdp --rounds 3
     python benchmarks/sharded_overhead.py --tp 2         # FSDP2 + TP: ("dp", "tp") = 2 x 2
+    python benchmarks/sharded_overhead.py --fsdp --update-check   # and --tp 2 --update-check
 
+`--update-check` (FSDP2, FSDP2 + TP): the default configuration with the update check off
+(`GuardConfig(update_check=False)`), on at the default vote cadence (every 10 steps) and on
+every step (`vote_every=1`), side by side; the last column is each variant's median ratio to
+the window without the update check in the same round.
 Under TP each TP group trains on its data-parallel index's batch (torchtitan's loader).
 """
 
@@ -39,7 +44,30 @@ def _batch(step: int, rank: int, width: int) -> torch.Tensor:
     return torch.randint(0, 128, (8, width + 1), generator=gen)
 
 
-def worker(rounds: int, fsdp: bool, run_root: str, seq: int, tp: int = 1) -> dict[str, list[float]]:
+def variants(update_check: bool) -> dict[str, Any]:
+    """The variants measured, by name (None: plain FSDP, no guard)."""
+    import slurm_guard as sg
+
+    if update_check:
+        return {
+            "plain": None,
+            WITHOUT: sg.GuardConfig(seed=1, update_check=False),
+            "default + update check": sg.GuardConfig(seed=1, update_check=True),
+            "update check every step": sg.GuardConfig(seed=1, vote_every=1, update_check=True),
+        }
+    return {
+        "plain": None,
+        "per-step checks": sg.GuardConfig(replay_every=HUGE, vote_every=HUGE, seed=1),
+        "default": sg.GuardConfig(seed=1),
+    }
+
+
+WITHOUT = "default, no update check"
+
+
+def worker(
+    rounds: int, fsdp: bool, run_root: str, seq: int, tp: int = 1, update_check: bool = False
+) -> dict[str, list[float]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import slurm_guard as sg
@@ -58,11 +86,7 @@ def worker(rounds: int, fsdp: bool, run_root: str, seq: int, tp: int = 1) -> dic
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     else:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    configs: dict[str, sg.GuardConfig | None] = {
-        "plain": None,
-        "per-step checks": sg.GuardConfig(replay_every=HUGE, vote_every=HUGE, seed=1),
-        "default": sg.GuardConfig(seed=1),
-    }
+    configs: dict[str, sg.GuardConfig | None] = variants(update_check)
     steps: dict[str, Any] = {}
     for i, (name, config) in enumerate(configs.items()):
         torch.manual_seed(0)
@@ -109,15 +133,20 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=32, help="tokens per sequence")
     parser.add_argument("--fsdp", action="store_true", help="one shard group, no replicas")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel degree (FSDP2 + TP)")
+    parser.add_argument(
+        "--update-check", action="store_true", help="with / without the update check (no HSDP)"
+    )
     parser.add_argument("--out", help="JSON output path (default benchmarks/results/)")
     args = parser.parse_args()
+    if args.update_check and not (args.fsdp or args.tp > 1):
+        parser.error("--update-check needs --fsdp or --tp: HSDP votes instead")
     from slurm_guard.local.launch import run_local
 
     with tempfile.TemporaryDirectory() as root:
         outcomes = run_local(
             worker,
             args.world,
-            args=(args.rounds, args.fsdp, root, args.seq, args.tp),
+            args=(args.rounds, args.fsdp, root, args.seq, args.tp, args.update_check),
             nodes=[f"node{r // args.tp}" for r in range(args.world)],  # a TP group per node
             timeout=1800,
         )
@@ -130,16 +159,22 @@ def main() -> int:
     rows = []
     for name, series in times.items():
         ratios = [t / p for t, p in zip(series, plain, strict=True)]
-        rows.append([name, 1000 * median(series), median(series) / median(plain), median(ratios)])
+        row = [name, 1000 * median(series), median(series) / median(plain), median(ratios)]
+        if args.update_check:
+            row.append(median([t / w for t, w in zip(series, times[WITHOUT], strict=True)]))
+        rows.append(row)
     if args.tp > 1:
         layout = f"FSDP2 {args.world // args.tp} x TP {args.tp}"
     else:
         layout = f"FSDP2 1 x {args.world}" if args.fsdp else f"HSDP 2 x {args.world // 2}"
     print(f"{layout}, {args.rounds} rounds of {K} steps per variant, interleaved")
-    print(table(["variant", "step ms (median)", "ratio of medians", "median ratio"], rows))
+    header = ["variant", "step ms (median)", "ratio of medians", "median ratio"]
+    print(table(header + (["vs no update check"] if args.update_check else []), rows))
     name = "sharded_overhead_fsdp" if args.fsdp else "sharded_overhead_hsdp"
     if args.tp > 1:
         name = f"sharded_overhead_tp{args.tp}"
+    if args.update_check:
+        name += "_update_check"
     write_json(name, {"layout": layout, "rounds": args.rounds, "times_s": times}, args.out)
     return 0
 

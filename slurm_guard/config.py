@@ -113,7 +113,7 @@ class GuardConfig:
             compared. No vote can catch a wrong update there: no other rank holds that shard.
             Costs one copy of the shard's update inputs over the network and one optimizer
             step per vote step (docs/integrations/fsdp.md). Optimizers it cannot recompute
-            (not torch.optim's own, step hooks, callables in param_groups) are skipped with a
+            (not torch.optim's own, step hooks, objects in param_groups) are skipped with a
             warning. No effect under DDP or HSDP (their vote compares true copies).
     """
 

@@ -142,12 +142,15 @@ def train(
     save_at: tuple[int, ...] = (),
     titan: bool = False,
     shm: str | None = None,
+    opaque_on: int | None = None,
 ) -> dict[str, Any]:
     """Train `steps` guarded (from the resumed step with resume=True); with compare=True,
     first the same steps unguarded on the same mesh. Returns what the tests read.
 
     `titan`: torchtitan's own Llama3 and parallelization (FSDP2 2 x TP 2) instead.
-    `shm`: snapshots on, in a directory per node under it (standing in for /dev/shm)."""
+    `shm`: snapshots on, in a directory per node under it (standing in for /dev/shm).
+    `opaque_on`: that rank puts an object into its param_group after the guard's start (as a
+    callback might), which its update's checker cannot load."""
     from slurm_guard import GuardConfig, ShardedGuard
     from slurm_guard.examples.tiny_llama import next_token_loss
     from slurm_guard.sharded.vote import local_state
@@ -162,6 +165,8 @@ def train(
     loss_fn = titan_loss if titan else next_token_loss
     guard = ShardedGuard(model, optimizer, loss_fn, run_dir, GuardConfig(**settings))
     start = guard.resume() if resume else 0
+    if opaque_on == dist.get_rank():
+        optimizer.param_groups[0]["note"] = Opaque()
     dp_index = dist.get_rank() // tp
     losses = []
     for step in range(start, steps):
@@ -180,6 +185,10 @@ def train(
         "layout": guard.layout.describe(),
         "plain": plain,
     }
+
+
+class Opaque:
+    """A param_group value that `torch.load(weights_only=True)` refuses."""
 
 
 TRUST_ONE = {"trust_replays": 1}  # a checkpoint is trusted after the next passing replay

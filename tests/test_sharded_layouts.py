@@ -254,6 +254,21 @@ def test_plain_fsdp2_update_check_names_the_rank_whose_update_is_wrong(tmp_path:
     assert alarm["injected"] is True and alarm["update_applied"] is True
 
 
+@pytest.mark.distributed
+def test_a_failure_inside_the_update_check_stops_every_rank_with_its_cause(
+    tmp_path: Path,
+) -> None:
+    """Rank 0 cannot read what rank 1 sent for its update (an object in rank 1's param_group):
+    every rank stops with the same named error at that step's check, none hangs."""
+    odd = functools.partial(FSDP4, opaque_on=1)
+    outcomes = run_local(odd, 4, args=(str(tmp_path), 3), nodes=ONE_EACH)
+    assert [o.status for o in outcomes] == ["error"] * 4, [o.value for o in outcomes]
+    said = {str(o.value) for o in outcomes}
+    assert len(said) == 1, said
+    text = said.pop()
+    assert "step 1: the update check" in text and "recomputing rank 1's update" in text, text
+
+
 # FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below; HSDP + TP's:
 # test_hsdp_tp_resumes_on_another_node_set_from_a_checkpoint_then_a_snapshot.
 EVERY_STEP = {"vote_every": 1}  # the update check (FSDP2) or the shard vote (HSDP) each step

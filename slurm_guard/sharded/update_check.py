@@ -13,7 +13,7 @@ third data-parallel index recomputes and the odd one out is named (`sdc`); with 
 is `ambiguous`.
 
 Where this cannot recompute the update (an optimizer outside torch.optim's own, one with step
-hooks, callables or tensors in its param_groups), the guard skips it with a named warning at
+hooks, anything but plain values in its param_groups), the guard skips it with a named warning at
 construction: every rank decides alike from its own optimizer, before any collective.
 """
 
@@ -65,12 +65,19 @@ def unsupported(optimizer: torch.optim.Optimizer) -> str | None:
         for key, value in group.items():
             if key == "params":
                 continue
-            if callable(value) or isinstance(value, torch.Tensor):
-                kind = "a callable" if callable(value) else "a tensor"
-                return f"{name} whose param_groups[{i}][{key!r}] is {kind}"
+            if not _plain(value):  # a callable, a tensor, an object the checker cannot load
+                kind = type(value).__name__
+                return f"{name} whose param_groups[{i}][{key!r}] is a {kind}, not a plain value"
             if key == "differentiable" and value:
                 return f"{name} with differentiable=True"
     return None
+
+
+def _plain(value: object) -> bool:
+    """A number, string, bool or None, or a tuple or list of them (what travels as is)."""
+    if isinstance(value, (tuple, list)):
+        return all(_plain(v) for v in value)
+    return value is None or isinstance(value, (bool, int, float, str))
 
 
 def implementation(group: dict[str, Any]) -> dict[str, bool]:
@@ -166,6 +173,14 @@ class UpdateCheck:
         needed = config.update_check and layout.replicas == 1 and self.first is not None
         self.skipped = unsupported(optimizer) if needed else None
         self.active = needed and self.skipped is None
+        if self.skipped is not None and comm.rank == 0:  # once, at construction
+            logger.warning(
+                "no update check (GuardConfig.update_check): it cannot recompute the update of "
+                "%s, so the state after each update stays unchecked in this %s layout "
+                "(docs/coverage.md)",
+                self.skipped,
+                layout.describe(),
+            )
         self._sent: Payload | None = None  # this rank's inputs, kept for a settling round
         self._received: tuple[int, Payload] | None = None  # (owner, its inputs)
         self._problem: str | None = None
