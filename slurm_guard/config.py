@@ -111,10 +111,15 @@ class GuardConfig:
             rank's optimizer update of its shard from the same parameters, gradients (after
             clipping), optimizer state and hyperparameters, and the shard fingerprints are
             compared. No vote can catch a wrong update there: no other rank holds that shard.
-            Costs one copy of the shard's update inputs over the network and one optimizer
-            step per vote step (docs/integrations/fsdp.md). Optimizers it cannot recompute
-            (not torch.optim's own, step hooks, objects in param_groups) are skipped with a
-            warning. No effect under DDP or HSDP (their vote compares true copies).
+            Costs, per vote step, one copy of the shard's update inputs over the network, one
+            optimizer step and one fingerprint (docs/integrations/fsdp.md), and memory on the
+            backend's device from the update to the check: the owner keeps a copy of its
+            inputs (for a settling round) and the checker holds the one it received (each
+            4x the parameter shard under Adam: parameters, gradients, two moments).
+            Optimizers it cannot recompute (not torch.optim's own, step hooks, objects in
+            param_groups) are skipped with a warning. Checked where the guard makes the
+            optimizer step (`step()`, `update()`), not after the framework's own. No effect
+            under DDP or HSDP: their vote compares true copies.
     """
 
     replay_every: int = 10

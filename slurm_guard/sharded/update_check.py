@@ -128,11 +128,12 @@ def update_inputs(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
 def recompute(
     inputs: dict[str, Any], cls: type[torch.optim.Optimizer], fingerprinter: Fingerprinter
 ) -> torch.Tensor:
-    """The owner's update, run by a shadow optimizer on copies; the result's fingerprint, as
+    """The owner's update, run by a shadow optimizer in place on `inputs` (the received
+    buffer's views: no second copy); the result's fingerprint, as
     `ShardedGuard.shard_fingerprint` takes the owner's (parameters, then optimizer state)."""
     if inputs["class"] != cls.__qualname__:
         raise ValueError(f"the owner's optimizer is {inputs['class']}, this rank's {cls}")
-    params = [t.clone() for t in inputs["params"]]
+    params = list(inputs["params"])
     for p, grad in zip(params, inputs["grads"], strict=True):
         p.grad = grad
     groups = [{**g["hyper"], "params": [params[i] for i in g["params"]]} for g in inputs["groups"]]
@@ -140,9 +141,7 @@ def recompute(
     defaults = {k: v for k, v in groups[0].items() if k in accepted and k != "params"}
     shadow = cls(groups, **defaults)
     for key, values in inputs["state"].items():
-        shadow.state[params[int(key)]] = {
-            k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()
-        }
+        shadow.state[params[int(key)]] = dict(values)
     shadow.step()
     for p in params:
         p.grad = None
