@@ -119,7 +119,10 @@ class GuardConfig:
             Optimizers it cannot recompute (not torch.optim's own, step hooks, objects in
             param_groups) are skipped with a warning. Checked where the guard makes the
             optimizer step (`step()`, `update()`), not after the framework's own. No effect
-            under DDP or HSDP: their vote compares true copies.
+            under DDP or HSDP: their vote compares true copies. Off by default: that memory
+            (8x the parameter shard at once under Adam, on the device) would run a job whose
+            batch was sized to fill its GPUs out of memory at its first vote step; turn it on
+            where the headroom is there (the start line says it is off).
     """
 
     replay_every: int = 10
@@ -144,7 +147,7 @@ class GuardConfig:
     max_grad_norm: float | None = None
     snapshots: bool = False
     snapshot_dir: str | None = None
-    update_check: bool = True
+    update_check: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()

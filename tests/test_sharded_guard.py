@@ -112,7 +112,15 @@ def test_the_start_line_names_the_layout_and_only_the_checks_it_runs() -> None:
     assert line(fsdp_tp, config) == (
         "4 ranks on 2 nodes (FSDP2 2 x TP 2); finite + reduce-scatter conservation checks every "
         "step, replay every 2 steps, no vote (no replica group holds a second copy of a shard), "
-        "checked GEMMs every step, node-local snapshots at each passing replay"
+        "optimizer update unchecked (update_check=False), checked GEMMs every step, node-local "
+        "snapshots at each passing replay"
+    )
+    checked = GuardConfig(replay_every=2, vote_every=5, update_check=True)
+    assert checks_line(
+        checked, 4, 2, layout="FSDP2 4", dp_indices=4, replicas=1, update_check=True
+    ).endswith(
+        "no vote (no replica group holds a second copy of a shard), optimizer update "
+        "recomputed on another node every 5 steps"
     )
     hsdp_tp = Layout((((0, 1), (2, 3)), ((4, 5), (6, 7))))
     assert line(hsdp_tp, GuardConfig(replay_every=2, vote_every=5)) == (

@@ -183,6 +183,7 @@ def test_fsdp_tp_3x2_names_the_one_wrong_rank_of_a_node(tmp_path: Path) -> None:
 
 TP22 = functools.partial(train, shards=2, tp=2)
 FSDP4 = functools.partial(train, shards=4)
+UPDATES = {"update_check": True}  # off by default (its memory): on where a test reads it
 
 
 @pytest.mark.distributed
@@ -247,7 +248,8 @@ def test_plain_fsdp2_update_check_names_the_rank_whose_update_is_wrong(tmp_path:
     vote step) is caught by the update check, rank 0 recomputing rank 1's update and rank 3
     settling it."""
     inject = {"SLURM_GUARD_INJECT": "kind=weight-bitflip,rank=1,step=1,bit=30"}
-    outcomes = run_local(FSDP4, 4, args=(str(tmp_path), 3), nodes=ONE_EACH, extra_env=inject)
+    checked = functools.partial(FSDP4, config=UPDATES)
+    outcomes = run_local(checked, 4, args=(str(tmp_path), 3), nodes=ONE_EACH, extra_env=inject)
     alarm = _alarm(outcomes)
     assert (alarm["check"], alarm["verdict"], alarm["step"]) == ("update", "sdc", 1)
     assert alarm["suspect_ranks"] == [1] and alarm["suspect_nodes"] == ["node2"]
@@ -260,7 +262,7 @@ def test_a_failure_inside_the_update_check_stops_every_rank_with_its_cause(
 ) -> None:
     """Rank 0 cannot read what rank 1 sent for its update (an object in rank 1's param_group):
     every rank stops with the same named error at that step's check, none hangs."""
-    odd = functools.partial(FSDP4, opaque_on=1)
+    odd = functools.partial(FSDP4, opaque_on=1, config=UPDATES)
     outcomes = run_local(odd, 4, args=(str(tmp_path), 3), nodes=ONE_EACH)
     assert [o.status for o in outcomes] == ["error"] * 4, [o.value for o in outcomes]
     said = {str(o.value) for o in outcomes}
@@ -271,7 +273,7 @@ def test_a_failure_inside_the_update_check_stops_every_rank_with_its_cause(
 
 # FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below; HSDP + TP's:
 # test_hsdp_tp_resumes_on_another_node_set_from_a_checkpoint_then_a_snapshot.
-EVERY_STEP = {"vote_every": 1}  # the update check (FSDP2) or the shard vote (HSDP) each step
+EVERY_STEP = {"vote_every": 1, **UPDATES}  # the update check (FSDP2) or shard vote (HSDP)
 LAYOUTS = {
     "fsdp2": (4, functools.partial(train, shards=4, compare=True, config=EVERY_STEP)),
     "hsdp": (4, functools.partial(train, shards=2, replicas=2, compare=True)),

@@ -67,6 +67,8 @@ def checks_line(
             parts.append(
                 f"optimizer update recomputed on another node every {config.vote_every} steps"
             )
+        elif dp > 1 and not config.update_check:
+            parts.append("optimizer update unchecked (update_check=False)")
     if config.abft:
         parts.append("checked GEMMs every step")
     if config.snapshots:
