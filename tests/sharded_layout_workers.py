@@ -143,6 +143,7 @@ def train(
     titan: bool = False,
     shm: str | None = None,
     opaque_on: int | None = None,
+    hooked_on: int | None = None,
 ) -> dict[str, Any]:
     """Train `steps` guarded (from the resumed step with resume=True); with compare=True,
     first the same steps unguarded on the same mesh. Returns what the tests read.
@@ -150,7 +151,8 @@ def train(
     `titan`: torchtitan's own Llama3 and parallelization (FSDP2 2 x TP 2) instead.
     `shm`: snapshots on, in a directory per node under it (standing in for /dev/shm).
     `opaque_on`: that rank puts an object into its param_group after the guard's start (as a
-    callback might), which its update's checker cannot load."""
+    callback might), which its update's checker cannot load.
+    `hooked_on`: that rank alone gives its optimizer a step hook before the guard starts."""
     from slurm_guard import GuardConfig, ShardedGuard
     from slurm_guard.examples.tiny_llama import next_token_loss
     from slurm_guard.sharded.vote import local_state
@@ -163,6 +165,8 @@ def train(
     if shm is not None:
         settings.update(snapshots=True, snapshot_dir=f"{shm}/{{node}}")
     loss_fn = titan_loss if titan else next_token_loss
+    if hooked_on == dist.get_rank():
+        optimizer.register_step_post_hook(lambda *_: None)
     guard = ShardedGuard(model, optimizer, loss_fn, run_dir, GuardConfig(**settings))
     start = guard.resume() if resume else 0
     if opaque_on == dist.get_rank():

@@ -271,6 +271,20 @@ def test_a_failure_inside_the_update_check_stops_every_rank_with_its_cause(
     assert "step 1: the update check" in text and "recomputing rank 1's update" in text, text
 
 
+@pytest.mark.distributed
+def test_ranks_that_differ_on_whether_their_update_can_be_checked_stop_at_the_start(
+    tmp_path: Path,
+) -> None:
+    """Rank 2 alone has a step hook, so only its update could not be recomputed: agreed at
+    construction (the setup check names the field), never a rank waiting on an exchange its
+    partner skips."""
+    hooked = functools.partial(FSDP4, hooked_on=2, config=UPDATES)
+    outcomes = run_local(hooked, 4, args=(str(tmp_path), 3), nodes=ONE_EACH)
+    assert [o.status for o in outcomes] == ["error"] * 4, [o.value for o in outcomes]
+    said = str(outcomes[0].value)
+    assert "rank 2: update_check=" in said and "with step hooks" in said, said
+
+
 # FSDP2 + TP's clean run: the dp=3 x tp=2 test above and torchtitan's Llama3 below; HSDP + TP's:
 # test_hsdp_tp_resumes_on_another_node_set_from_a_checkpoint_then_a_snapshot.
 EVERY_STEP = {"vote_every": 1, **UPDATES}  # the update check (FSDP2) or shard vote (HSDP)

@@ -42,7 +42,7 @@ from slurm_guard.rundir.trust import TRUST_POINT
 from slurm_guard.sharded import checkpoint, snapshots
 from slurm_guard.sharded.hooks import ReduceScatterState, fsdp_modules, install
 from slurm_guard.sharded.layout import derive, refuse_pipeline_stage
-from slurm_guard.sharded.update_check import UpdateCheck
+from slurm_guard.sharded.update_check import UpdateCheck, unsupported
 from slurm_guard.sharded.verifier import ShardedVerifier
 from slurm_guard.sharded.vote import local_state, shard
 
@@ -95,6 +95,10 @@ class ShardedGuard(GuardBase, StepCalls):
                 "and sg.Guard"
             )
         mesh_field = {"layout": self.layout.describe(), "ranks": repr(self.layout.grid)}
+        if self.config.update_check:
+            # each rank decides from its own optimizer whether the update check runs (a step
+            # hook on one rank only): agreed here, or the ranks' exchanges would not pair up
+            mesh_field["update_check"] = unsupported(optimizer) or "recomputable"
         self._open_run(
             group=None,
             module=model,
