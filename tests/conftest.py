@@ -33,9 +33,6 @@ if not torch.cuda.is_available():
     # its tl.sum would then be a compiled-only function inside interpreted kernels. Set it
     # before any test module is imported. CPU code never runs Triton (kernels/bucket.py).
     os.environ.setdefault("TRITON_INTERPRET", "1")
-# run_local's ranks fork from a server that imported torch once, instead of each importing it
-# (seconds a rank, a few hundred launches in the suite): slurm_guard/local/launch.py.
-os.environ.setdefault("SLURM_GUARD_LOCAL_START", "forkserver")
 from support.local_cluster import (
     LocalCluster,
     LocalClusterError,
