@@ -88,8 +88,9 @@ def _worker(
     stdio: tuple[int, int],
 ) -> None:
     for mine, callers in zip((1, 2), stdio, strict=True):
-        os.dup2(callers, mine)
-        os.close(callers)
+        if callers != mine:  # a spawned rank gets the caller's fds under their own numbers
+            os.dup2(callers, mine)
+            os.close(callers)
     # The caller's environment as it is now (a forked rank would otherwise see the server's,
     # from when it started), then the rank's own variables.
     os.environ.clear()
