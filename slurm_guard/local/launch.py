@@ -8,8 +8,10 @@ Ranks are spawned: a fresh interpreter each, so no thread or CUDA state of the c
 into them. `SLURM_GUARD_LOCAL_START=forkserver` forks them instead from a server process that
 imported torch and slurm-guard once and did nothing else (no thread, no CUDA): a 4-rank launch
 then starts in a tenth of a second instead of seconds of imports per rank. Not yet the test
-suite's default: a full run with it failed one test in an order-dependent way (a rank read
-"no cause recorded" for another's failure in tests/test_failsafe_hangs.py), not yet explained.
+suite's default: a full run with it, before each rank got the caller's stdout and stderr,
+failed one test in an order-dependent way (a rank read "no cause recorded" for another's
+failure in tests/test_failsafe_hangs.py); with the handover that file passes, but the whole
+suite has not run under it yet.
 """
 
 from __future__ import annotations
